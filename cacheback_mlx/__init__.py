@@ -1,0 +1,25 @@
+"""cacheback-mlx: lossless, training-free speculative decoding on MLX.
+
+    from cacheback_mlx import load, generate
+    model, tokenizer = load()                     # the embedded default model
+    print(generate("Write a haiku", drafter="ngram"))
+"""
+
+from . import blas
+
+blas.preload_openblas()  # must run before the first `import mlx.core`
+
+_API = {"load": "loader", "generate": "api", "stream_generate": "api", "Session": "api",
+        "make_drafter": "drafters", "drafter_names": "drafters", "CachebackError": "errors"}
+
+
+def __getattr__(name):  # lazy, so `import cacheback_mlx` stays cheap for the CLI's --help
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    raise AttributeError(name)
+
+
+__all__ = list(_API)
+__version__ = "0.1.0"

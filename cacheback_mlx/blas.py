@@ -1,0 +1,136 @@
+"""Linux x86_64: load OpenBLAS before MLX so its CPU matmuls stop using the reference BLAS.
+
+MLX's Linux CPU wheel links a bundled reference BLAS (~4 GFLOP/s here). Loading OpenBLAS from the
+`cmeel-openblas` wheel with RTLD_GLOBAL before `mlx.core` is first imported makes MLX's cblas_*
+calls resolve to it (~140 GFLOP/s on a 2-core EPYC). This must run before any `import mlx.core`;
+`cacheback_mlx/__init__.py` calls it first. Set CACHEBACK_MLX_OPENBLAS=0 to turn it off.
+
+Two snags handled here:
+- the wheel's OpenBLAS is built for one CPU family (0.3.29: ZEN = AVX2+FMA), so we check the CPU
+  flags first; an unsupported CPU keeps the reference BLAS rather than crashing with SIGILL;
+- it needs libgfortran.so.5, which a bare Linux lacks. MLX's and NumPy's wheels bundle one under
+  a mangled soname; we copy it to a cache folder with the soname set back to libgfortran.so.5.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+# OpenBLAS core name (from its build config string) -> CPU flags it needs.
+_CORE_FLAGS = {
+    "HASWELL": {"avx2", "fma"},
+    "ZEN": {"avx2", "fma"},
+    "SKYLAKEX": {"avx512f", "avx512bw", "avx512vl"},
+    "COOPERLAKE": {"avx512f", "avx512bw", "avx512_bf16"},
+    "SAPPHIRERAPIDS": {"avx512f", "avx512bw", "amx_tile"},
+}
+
+status: str = "not attempted"
+"""What happened, for `cacheback-mlx doctor` and the tests."""
+
+
+def _openblas_path() -> Path | None:
+    try:
+        files = importlib.metadata.files("cmeel-openblas") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "libopenblas.so.0":
+            path = Path(f.locate()).resolve()
+            if path.exists():
+                return path
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _core_name(lib: Path) -> str | None:
+    """The CPU family the library was built for, read from its embedded config string."""
+    m = re.search(rb"OpenBLAS \d+\.\d+\.\d+ [A-Z_ ]*?\b(" + b"|".join(k.encode() for k in _CORE_FLAGS) + rb")\b",
+                  lib.read_bytes())
+    return m.group(1).decode() if m else None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cacheback-mlx" / "blas"
+
+
+def _load_gfortran() -> bool:
+    """Make libgfortran.so.5 resolvable: the system's if present, else a bundled copy."""
+    if ctypes.util.find_library("gfortran"):
+        return True
+    for dist in ("mlx-cpu", "numpy", "scipy"):
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name.startswith("libgfortran-") and ".so.5" in f.name:
+                src = Path(f.locate()).resolve()
+                if src.exists():
+                    return _load_soname_copy(src, "libgfortran.so.5")
+    return False
+
+
+def _load_soname_copy(src: Path, soname: str) -> bool:
+    folder = src.parent
+    for dep in folder.iterdir():  # its own deps (libquadmath-*) keep their mangled sonames
+        if dep.name.startswith("libquadmath"):
+            ctypes.CDLL(str(dep), mode=os.RTLD_GLOBAL)
+    data = bytearray(src.read_bytes())
+    old = src.name.encode() + b"\0"
+    at = data.find(old)
+    if at < 0 or len(soname) + 1 > len(old):
+        return False
+    data[at : at + len(old)] = soname.encode().ljust(len(old), b"\0")
+    dst = _cache_dir() / f"{src.stem}-{len(data)}" / soname
+    if not dst.exists() or dst.read_bytes() != data:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    ctypes.CDLL(str(dst), mode=os.RTLD_GLOBAL)
+    return True
+
+
+def preload_openblas() -> str:
+    """Load OpenBLAS globally if this is Linux x86_64 and the CPU can run it. Returns the status."""
+    global status
+    if "mlx.core" in sys.modules:
+        status = "skipped: mlx.core was imported first"
+    elif os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") == "0":
+        status = "off (CACHEBACK_MLX_OPENBLAS=0)"
+    elif sys.platform != "linux" or platform.machine() != "x86_64":
+        status = f"not needed on {sys.platform}/{platform.machine()}"
+    elif (lib := _openblas_path()) is None:
+        status = "cmeel-openblas is not installed"
+    else:
+        core = _core_name(lib)
+        missing = _CORE_FLAGS.get(core or "", {"?"}) - _cpu_flags()
+        if missing:
+            status = f"skipped: OpenBLAS built for {core} needs CPU flags {sorted(missing)}"
+        elif not _load_gfortran():
+            status = "skipped: no libgfortran.so.5 found"
+        else:
+            try:
+                ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+                status = f"loaded {lib} ({core})"
+            except OSError as e:
+                status = f"failed: {e}"
+    return status

@@ -1,0 +1,42 @@
+"""Drafter registry: drafters are chosen by name at run time."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import CachebackError
+from .base import Drafter, NoDrafter
+
+# name -> "module:Class" (imported on first use, so optional dependencies stay optional).
+DRAFTERS: dict[str, str] = {
+    "none": "cacheback_mlx.drafters.base:NoDrafter",
+    "ngram": "cacheback_mlx.drafters.ngram:NGramDrafter",
+    "cacheback": "cacheback_mlx.drafters.cacheback:CachebackDrafter",
+    "pld": "cacheback_mlx.drafters.pld:PromptLookupDrafter",
+    "rest": "cacheback_mlx.drafters.rest:RestDrafter",
+    "ssd": "cacheback_mlx.drafters.ssd:SsdDrafter",
+}
+
+
+def drafter_names() -> list[str]:
+    return list(DRAFTERS)
+
+
+def make_drafter(name: str | Drafter, **params) -> Drafter:
+    """A new drafter by name, with its parameters (e.g. make_drafter("ngram", max_draft=6))."""
+    if isinstance(name, Drafter):
+        return name
+    if name not in DRAFTERS:
+        raise CachebackError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
+    module, cls = DRAFTERS[name].split(":")
+    try:
+        klass = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise CachebackError(f"drafter {name!r} is not available: {e}") from None
+    try:
+        return klass(**params)
+    except TypeError as e:
+        raise CachebackError(f"bad parameters for drafter {name!r}: {e}") from None
+
+
+__all__ = ["Drafter", "NoDrafter", "DRAFTERS", "drafter_names", "make_drafter"]

@@ -1,0 +1,36 @@
+"""The drafter interface. Drafters see token ids only: they know nothing about models."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..tree import DraftTree
+
+
+class Drafter:
+    """Proposes a DraftTree from the token history and learns from the tokens that were accepted.
+
+    The engine calls, in order:
+      observe(prompt_tokens)             once per request/turn with the new prompt tokens
+      propose(history, budget) -> tree   each step; history[-1] is the root (last accepted token)
+      observe(accepted_tokens)           after each step, with the tokens just accepted
+    State persists across requests and turns until reset(), so later turns can get faster.
+    """
+
+    name = "base"
+
+    def reset(self) -> None:
+        """Forget everything learned from earlier tokens (a new conversation)."""
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
+
+    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+        """A tree of at most `budget` draft tokens to follow history[-1]."""
+        return DraftTree.empty()
+
+
+class NoDrafter(Drafter):
+    """Plain decoding: never drafts, so every step is a single-token step."""
+
+    name = "none"

@@ -1,0 +1,94 @@
+"""Replay a drafter on a recorded greedy stream: exact accepted-token counts with no model.
+
+Greedy verification is deterministic, so on a stream the model is known to produce, a step accepts
+the longest root path of the draft tree that matches the stream, plus one bonus token. This is the
+engine's accept rule (engine.accept_greedy) run against a recording; drafter tests and tuning use it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .drafters.base import Drafter
+from .tree import DraftTree
+
+SHARED_STREAMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2_greedy"
+
+
+def longest_match(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+    """Node indices of the longest root path whose tokens equal the start of `continuation`."""
+    kids = tree.children()
+    path: list[int] = []
+    node = -1
+    while len(path) < len(continuation):
+        want = continuation[len(path)]
+        nxt = next((c for c in kids[node + 1] if tree.tokens[c] == want), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
+
+
+@dataclass
+class ReplayResult:
+    tokens: int  # tokens produced
+    steps: int  # verify passes
+    draft_seconds: float  # time spent in propose + observe
+    max_tree: int  # largest tree proposed
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per pass (bonus included), as Spec-Bench reports it."""
+        return self.tokens / max(self.steps, 1)
+
+
+def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budget: int = 96) -> ReplayResult:
+    """Run `drafter` over prompt -> output as the engine would; count passes and accepted tokens."""
+    history = list(prompt)
+    t0 = time.perf_counter()
+    drafter.observe(history)
+    draft_s = time.perf_counter() - t0
+    pos = steps = max_tree = 0
+    while pos < len(output):
+        t0 = time.perf_counter()
+        tree = drafter.propose(history, budget)
+        draft_s += time.perf_counter() - t0
+        if len(tree) > budget:
+            raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")
+        max_tree = max(max_tree, len(tree))
+        path = longest_match(tree, output[pos:])
+        accepted = [int(tree.tokens[i]) for i in path]
+        if pos + len(accepted) < len(output):
+            accepted.append(int(output[pos + len(accepted)]))  # the bonus token
+        history.extend(accepted)
+        pos += len(accepted)
+        steps += 1
+        t0 = time.perf_counter()
+        drafter.observe(accepted)
+        draft_s += time.perf_counter() - t0
+    return ReplayResult(pos, steps, draft_s, max_tree)
+
+
+def load_streams(folder: Path = SHARED_STREAMS) -> list[dict]:
+    """The recorded streams: dicts with id, cat, prompt (ids) and out (ids)."""
+    prompts = {p["id"]: p for p in json.loads((folder / "prompts_ids.json").read_text())}
+    outs = json.loads((folder / "greedy_outputs.json").read_text())
+    return [{"id": o["id"], "cat": o["cat"], "prompt": prompts[o["id"]]["ids"], "out": o["out"]} for o in outs]
+
+
+def replay_all(make, streams: list[dict], budget: int = 96, fresh_per_stream: bool = True) -> ReplayResult:
+    """Total over streams; `make()` builds a drafter (a fresh one per stream unless told not to)."""
+    total = ReplayResult(0, 0, 0.0, 0)
+    drafter = make()
+    for s in streams:
+        if fresh_per_stream:
+            drafter = make()
+        r = replay(drafter, s["prompt"], s["out"], budget)
+        total = ReplayResult(total.tokens + r.tokens, total.steps + r.steps,
+                             total.draft_seconds + r.draft_seconds, max(total.max_tree, r.max_tree))
+    return total

@@ -1,0 +1,71 @@
+"""DraftTree: the one thing drafters and the engine share.
+
+A draft is a tree of tokens hanging below the root, which is the last accepted token (not yet in
+the KV cache). Node i holds `tokens[i]`; `parents[i]` is the index of its parent node, or -1 when
+its parent is the root. Parents always precede children, so a chain is parents = [-1, 0, 1, ...].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: np.ndarray  # int32 [n]
+    parents: np.ndarray  # int32 [n], -1 = child of the root, else an earlier index
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", np.asarray(self.tokens, dtype=np.int32).reshape(-1))
+        object.__setattr__(self, "parents", np.asarray(self.parents, dtype=np.int32).reshape(-1))
+        if self.tokens.shape != self.parents.shape:
+            raise ValueError("tokens and parents must have the same length")
+        if len(self.parents) and np.any(self.parents >= np.arange(len(self.parents))):
+            raise ValueError("every parent must precede its child")
+
+    @staticmethod
+    def empty() -> "DraftTree":
+        return DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+    @staticmethod
+    def chain(tokens) -> "DraftTree":
+        n = len(tokens)
+        return DraftTree(np.asarray(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def is_chain(self) -> bool:
+        return bool(np.all(self.parents == np.arange(-1, len(self) - 1)))
+
+    def depths(self) -> np.ndarray:
+        """Depth of each node; children of the root have depth 1."""
+        d = np.zeros(len(self), np.int32)
+        for i, p in enumerate(self.parents):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[n+1, n+1] bool over (root, nodes...): row i sees column j iff j is i or an ancestor."""
+        n = len(self)
+        m = np.zeros((n + 1, n + 1), dtype=bool)
+        m[:, 0] = True
+        for i, p in enumerate(self.parents):
+            row = i + 1
+            if p >= 0:
+                m[row] = m[p + 1]
+            m[row, row] = True
+        return m
+
+    def children(self) -> list[list[int]]:
+        """children()[0] lists the root's children, children()[i+1] those of node i."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return kids
+
+    def truncate(self, n: int) -> "DraftTree":
+        """The first n nodes (still a valid tree, as parents precede children)."""
+        return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])
