@@ -1,0 +1,225 @@
+"""Losslessness of the engine on tiny random models, against plain greedy decoding."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from cacheback_mlx.drafters.base import Drafter, NoDrafter
+from cacheback_mlx.engine import Engine, accept
+from cacheback_mlx.kvcache import make_caches
+from cacheback_mlx.sampling import SamplingParams
+from cacheback_mlx.tree import DraftTree
+from cacheback_mlx.verify import prefill, verify_pass
+
+PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
+
+
+def run(model, drafter, prompt=PROMPT, n=40, **kw):
+    eng = Engine(model, eos_ids=[], drafter=drafter, context_length=4096, **kw)
+    out = [t for step in eng.generate(prompt, n) for t in step]
+    return out, eng
+
+
+class OracleDrafter(Drafter):
+    """Always right: drafts the true continuation (known in advance)."""
+
+    def __init__(self, prompt, truth, extra_wrong_branches=0):
+        self.full = list(prompt) + list(truth)
+        self.branches = extra_wrong_branches
+
+    def propose(self, history, budget):
+        pos = len(history)
+        chain = self.full[pos : pos + budget]
+        if not self.branches:
+            return DraftTree.chain(chain)
+        tokens, parents = [], []
+        for i, t in enumerate(chain[: budget // (self.branches + 1)]):
+            parent = -1 if i == 0 else len(tokens) - 1  # the right node one level up
+            for b in range(self.branches):  # wrong siblings first, the right one last
+                tokens.append((t + 1 + b) % 90)
+                parents.append(parent)
+            tokens.append(t)
+            parents.append(parent)
+        return DraftTree(tokens, parents)
+
+
+class WrongDrafter(Drafter):
+    """Always wrong: drafts tokens the model never picks next."""
+
+    def __init__(self, truth_after):
+        self.truth_after = truth_after
+
+    def propose(self, history, budget):
+        nxt = self.truth_after(history)
+        return DraftTree.chain([(nxt + 1 + i) % 90 for i in range(min(budget, 5))])
+
+
+class RandomTreeDrafter(Drafter):
+    """Random trees of up to 64 nodes and depth 8, sometimes holding the true path."""
+
+    def __init__(self, prompt, truth, seed=0, vocab=90):
+        self.full = list(prompt) + list(truth)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def propose(self, history, budget):
+        n = self.rng.randint(0, min(64, budget))
+        tokens, parents, depth = [], [], []
+        for i in range(n):
+            p = self.rng.choice([-1] + [j for j in range(i) if depth[j] < 8]) if i else -1
+            d = 1 if p < 0 else depth[p] + 1
+            pos = len(history) + d - 1
+            # follow the truth along some paths so that long acceptances happen too
+            on_truth = all(tokens[a] == self.full[len(history) + depth[a] - 1] for a in self._ancestors(parents, p))
+            if on_truth and pos < len(self.full) and self.rng.random() < 0.6:
+                t = self.full[pos]
+            else:
+                t = self.rng.randrange(self.vocab)
+            if any(tokens[s] == t and parents[s] == p for s in range(i)):
+                t = (t + 1) % self.vocab  # keep siblings distinct... or not: duplicates are legal too
+            tokens.append(t)
+            parents.append(p)
+            depth.append(d)
+        return DraftTree(tokens, parents)
+
+    @staticmethod
+    def _ancestors(parents, p):
+        out = []
+        while p >= 0:
+            out.append(p)
+            p = parents[p]
+        return out
+
+
+def test_plain_engine_matches_mlx_lm_generate_step(tiny_model):
+    ours, _ = run(tiny_model, NoDrafter(), n=30)
+    ref = []
+    for tok, _ in generate_step(mx.array(PROMPT), tiny_model, max_tokens=30):
+        ref.append(int(tok))
+    assert ours == ref
+
+
+def test_greedy_lossless_with_adversarial_drafters(tiny_model):
+    truth, plain = run(tiny_model, NoDrafter(), n=48)
+    assert plain.stats.passes == 48
+    drafters = {
+        "oracle-chain": OracleDrafter(PROMPT, truth),
+        "oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
+        "wrong": WrongDrafter(lambda h: (truth + [0])[len(h) - len(PROMPT)]),
+        "random-0": RandomTreeDrafter(PROMPT, truth, seed=0),
+        "random-1": RandomTreeDrafter(PROMPT, truth, seed=1),
+    }
+    for name, d in drafters.items():
+        out, eng = run(tiny_model, d, n=48, draft_budget=64)
+        assert out == truth, name
+        if name.startswith("oracle"):
+            assert eng.stats.passes < 48 / 3, (name, eng.stats.passes)
+        if name == "wrong":
+            assert eng.stats.passes == 48
+
+
+def test_greedy_lossless_with_padding_buckets(tiny_model):
+    truth, _ = run(tiny_model, NoDrafter(), n=32)
+    out, _ = run(tiny_model, RandomTreeDrafter(PROMPT, truth, seed=3), n=32, draft_budget=40,
+                 buckets=(1, 2, 4, 8, 16, 32, 64))
+    assert out == truth
+
+
+def test_rollback_offset_and_next_logits_match_a_cache_built_without_speculation(tiny_model):
+    truth, _ = run(tiny_model, NoDrafter(), n=20)
+    out, eng = run(tiny_model, RandomTreeDrafter(PROMPT, truth, seed=7), n=20, draft_budget=32)
+    assert out == truth
+    seq = PROMPT + truth
+    # the cache holds everything but the last token (the next root)
+    assert eng.caches[0].offset == len(seq) - 1 == len(eng.cached)
+    assert eng.cached == seq[:-1]
+    spec = verify_pass(tiny_model, eng.caches, seq[-1], DraftTree.empty())
+    fresh = make_caches(tiny_model)
+    prefill(tiny_model, fresh, seq[:-1])
+    plain = verify_pass(tiny_model, fresh, seq[-1], DraftTree.empty())
+    assert np.allclose(np.array(spec), np.array(plain), atol=1e-4)
+
+
+def test_tree_pass_logits_equal_sequential_logits(tiny_model):
+    """Every node's logits in a tree pass equal those of decoding its root path one by one."""
+    caches = make_caches(tiny_model)
+    prefill(tiny_model, caches, PROMPT[:-1])
+    tree = DraftTree([7, 9, 11, 13, 7, 2], [-1, -1, 0, 0, 1, 3])
+    logits = np.array(verify_pass(tiny_model, caches, PROMPT[-1], tree))
+    for node in range(len(tree)):
+        path, p = [], node
+        while p >= 0:
+            path.append(int(tree.tokens[p]))
+            p = tree.parents[p]
+        seq = PROMPT + path[::-1]
+        fresh = make_caches(tiny_model)
+        prefill(tiny_model, fresh, seq[:-1])
+        ref = np.array(verify_pass(tiny_model, fresh, seq[-1], DraftTree.empty()))
+        assert np.allclose(logits[node + 1], ref[0], atol=1e-4), node
+
+
+def test_prefix_reuse_across_calls(tiny_model):
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    first = [t for s in eng.generate(PROMPT, 8) for t in s]
+    turn2 = PROMPT + first + [4, 5, 6]
+    second = [t for s in eng.generate(turn2, 8) for t in s]
+    assert eng.stats.prefill_tokens == 3  # only the new tokens (minus the root) were computed
+    fresh = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert second == [t for s in fresh.generate(turn2, 8) for t in s]
+
+
+def test_eos_and_max_tokens(tiny_model):
+    truth, _ = run(tiny_model, NoDrafter(), n=20)
+    eos = truth[6]
+    first = truth.index(eos)
+    eng = Engine(tiny_model, eos_ids=[eos], drafter=OracleDrafter(PROMPT, truth), context_length=4096)
+    out = [t for s in eng.generate(PROMPT, 20) for t in s]
+    assert out == truth[:first]
+    out, _ = run(tiny_model, OracleDrafter(PROMPT, truth), n=7)
+    assert out == truth[:7]
+
+
+def test_accept_walks_the_models_choices():
+    tree = DraftTree([1, 2, 3, 4], [-1, -1, 1, 2])
+    # root picks 2 (node 1), node 1 picks 3 (node 2), node 2 picks 9 (no child) -> bonus 9
+    path, bonus = accept(tree, [2, 0, 3, 9, 0])
+    assert path == [1, 2] and bonus == 9
+    assert accept(tree, [5, 0, 0, 0, 0]) == ([], 5)
+
+
+def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
+    """With a drafter proposing the likely tokens, the sampled distribution of the first two
+    tokens must equal plain sampling's. A biased acceptance rule would skew it."""
+    from collections import Counter
+
+    params = dict(temperature=1.5)
+    n = 300
+
+    class Likely(Drafter):
+        def __init__(self):
+            self.rng = random.Random(0)
+
+        def propose(self, history, budget):
+            return DraftTree([3, 42, 8, 19, 17], [-1, -1, 0, 1, 1])
+
+    def first_two(drafter, seed):
+        eng = Engine(tiny_model, eos_ids=[], drafter=drafter, context_length=4096)
+        out = [t for s in eng.generate(PROMPT, 2, SamplingParams(seed=seed, **params)) for t in s]
+        return tuple(out[:2])
+
+    plain = Counter(first_two(NoDrafter(), s)[0] for s in range(n))
+    spec = Counter(first_two(Likely(), 10_000 + s)[0] for s in range(n))
+    # exact target distribution of the first token
+    caches = make_caches(tiny_model)
+    prefill(tiny_model, caches, PROMPT[:-1])
+    logits = verify_pass(tiny_model, caches, PROMPT[-1], DraftTree.empty())[0] / params["temperature"]
+    probs = np.array(mx.softmax(logits))
+    for counts in (plain, spec):
+        top = np.argsort(-probs)[:4]
+        expected = np.array([probs[t] * n for t in top] + [n * (1 - probs[top].sum())])
+        observed = np.array([counts.get(int(t), 0) for t in top] + [n - sum(counts.get(int(t), 0) for t in top)])
+        chi2 = float(((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum())
+        assert chi2 < 20.5, (chi2, observed, expected)  # 4 dof, p ~ 0.0004
