@@ -1,0 +1,112 @@
+"""The Python API: a Session wires a loaded model, a drafter and the engine; generate() and
+stream_generate() are one-call forms on top of it. The CLI, chat REPL, server and bench use this."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from .drafters import make_drafter
+from .engine import Engine, Stats
+from .errors import CachebackError
+from .loader import LoadedModel, load
+from .sampling import SamplingParams
+
+DEFAULT_DRAFTER = "ngram"
+
+_loaded: dict[tuple, LoadedModel] = {}
+
+
+def load_cached(model: str | LoadedModel | None = None, dtype: str | None = None) -> LoadedModel:
+    """load(), remembered per (model, dtype) so repeated API calls do not reload weights."""
+    if isinstance(model, LoadedModel):
+        return model
+    key = (model, dtype)
+    if key not in _loaded:
+        _loaded[key] = load(model, dtype=dtype)
+    return _loaded[key]
+
+
+class Session:
+    """One model, its KV cache and a drafter. Keeps both across calls, so a conversation's later
+    turns only prefill their new tokens and the drafter keeps what it learned."""
+
+    def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
+                 dtype: str | None = None, draft_budget: int | None = None, **drafter_params):
+        self.loaded = load_cached(model, dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.drafter_name = drafter
+        self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids,
+                             make_drafter(drafter, **drafter_params), self.loaded.context_length,
+                             draft_budget=draft_budget)
+
+    @property
+    def stats(self) -> Stats:
+        """Counters of the last generation."""
+        return self.engine.stats
+
+    def set_drafter(self, name: str, **params) -> None:
+        self.engine.set_drafter(make_drafter(name, **params))
+        self.drafter_name = name
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: text (through the chat template when chat, the default for
+        models that have one) or a list of chat messages."""
+        if isinstance(prompt, str) and not prompt.strip():
+            raise CachebackError("empty prompt")
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat is None:
+            chat = has_template or not isinstance(prompt, str)
+        if not chat:
+            return list(self.tokenizer.encode(prompt))
+        if not has_template:
+            raise CachebackError(f"model {self.loaded.name} has no chat template; use raw mode")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system}] + messages
+        if not messages:
+            raise CachebackError("empty prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int = 256,
+                   sampling: SamplingParams = SamplingParams()) -> Iterator[tuple[str, list[int]]]:
+        """Yield (text piece, tokens) per step; the text pieces join into the full output."""
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        for tokens in self.engine.generate(prompt_ids, max_tokens, sampling):
+            for t in tokens:
+                detok.add_token(t)
+            yield detok.last_segment, tokens
+        detok.finalize()
+        if detok.last_segment:
+            yield detok.last_segment, []
+
+    def stream(self, prompt: str | Sequence[dict], max_tokens: int = 256, chat: bool | None = None,
+               system: str | None = None, **sampling) -> Iterator[str]:
+        ids = self.encode(prompt, chat=chat, system=system)
+        for text, _ in self.stream_ids(ids, max_tokens, SamplingParams(**sampling)):
+            if text:
+                yield text
+
+    def generate(self, prompt: str | Sequence[dict], max_tokens: int = 256, **kw) -> str:
+        return "".join(self.stream(prompt, max_tokens, **kw))
+
+
+def stream_generate(prompt: str | Sequence[dict], model: str | LoadedModel | None = None,
+                    drafter: str = DEFAULT_DRAFTER, max_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, chat: bool | None = None,
+                    system: str | None = None, **drafter_params) -> Iterator[str]:
+    """Stream the text of one generation, piece by piece."""
+    session = Session(model, drafter, **drafter_params)
+    yield from session.stream(prompt, max_tokens, chat=chat, system=system, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed)
+
+
+def generate(prompt: str | Sequence[dict], model: str | LoadedModel | None = None,
+             drafter: str = DEFAULT_DRAFTER, max_tokens: int = 256, **kw) -> str:
+    """The text of one generation (greedy unless temperature > 0)."""
+    return "".join(stream_generate(prompt, model, drafter, max_tokens, **kw))
+

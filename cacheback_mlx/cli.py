@@ -1,0 +1,128 @@
+"""The `cacheback-mlx` command. Bad input ends with a one-line `error: ...` and exit code 1."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+
+from . import blas  # noqa: F401  (imported first: preloads OpenBLAS before mlx)
+from .errors import CachebackError
+
+
+def user_errors(fn):
+    """Turn CachebackError (and other failures) into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except CachebackError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+        except Exception as e:  # a bug, not bad input: still one line unless asked for details
+            if os.environ.get("CACHEBACK_MLX_DEBUG"):
+                raise
+            click.echo(f"error: {type(e).__name__}: {e} (set CACHEBACK_MLX_DEBUG=1 for a traceback)", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def drafter_option(fn):
+    from .api import DEFAULT_DRAFTER
+
+    fn = click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
+                      help="Drafter: none, ngram, cacheback, pld, rest, ssd.")(fn)
+    fn = click.option("--draft-budget", type=int, default=None,
+                      help="Draft tokens per verify pass (default: chosen per backend).")(fn)
+    fn = click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE",
+                      help="A drafter parameter, e.g. --drafter-arg tdl=32 (repeatable).")(fn)
+    return fn
+
+
+def model_option(fn):
+    fn = click.option("--model", "-m", default=None,
+                      help="GGUF file, mlx-lm folder, Hugging Face repo id or alias (default: embedded SmolLM2-135M).")(fn)
+    fn = click.option("--dtype", default=None, type=click.Choice(["float32", "float16", "bfloat16", "native"]),
+                      help="Weight dtype (default: the fastest for the backend).")(fn)
+    return fn
+
+
+def parse_drafter_args(pairs) -> dict:
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise CachebackError(f"--drafter-arg needs KEY=VALUE, got {pair!r}")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+        params[key.replace("-", "_")] = value
+    return params
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cacheback-mlx")
+def main():
+    """Local LLM runtime on MLX with lossless, training-free speculative decoding."""
+
+
+@main.command()
+@click.argument("prompt")
+@model_option
+@drafter_option
+@click.option("--max-tokens", "-n", default=256, show_default=True)
+@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
+@click.option("--system", default=None, help="System prompt (chat mode).")
+@click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
+@user_errors
+def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_tokens, temp, top_p, top_k,
+             seed, chat, system, stats):
+    """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
+    from .api import Session
+    from .sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    ids = session.encode(prompt, chat=chat, system=system)
+    for text, _ in session.stream_ids(ids, max_tokens, sampling):
+        click.echo(text, nl=False)
+    click.echo()
+    if stats:
+        s = session.stats
+        click.echo(f"[{session.loaded.name} {session.loaded.dtype} drafter={drafter}] prompt {s.prompt_tokens} tok "
+                   f"({s.prefill_s:.2f}s) | {s.tokens} tokens in {s.passes} passes, MAT {s.mat:.2f} | "
+                   f"{s.tokens_per_s:.1f} tok/s | drafting {s.draft_s * 1e3:.1f} ms "
+                   f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%)", err=True)
+
+
+@main.command()
+@user_errors
+def doctor():
+    """Show the backend, BLAS status and default settings."""
+    import mlx.core as mx
+
+    from .engine import default_draft_budget
+
+    click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
+    click.echo(f"openblas: {blas.status}")
+    click.echo(f"default draft budget: {default_draft_budget()}")
+
+
+if __name__ == "__main__":
+    main()

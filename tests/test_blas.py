@@ -1,0 +1,78 @@
+"""OpenBLAS preload: in effect on Linux x86_64 (fast matmul), a no-op elsewhere."""
+
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BLAS_PY = Path(__file__).resolve().parents[1] / "cacheback_mlx" / "blas.py"
+
+
+def run_py(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def avx2() -> bool:
+    try:
+        return "avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64" or not avx2(),
+                    reason="OpenBLAS preload applies to Linux x86_64 with AVX2 only")
+def test_openblas_is_loaded_and_matmul_is_fast():
+    out = run_py("""
+        import time, cacheback_mlx
+        from cacheback_mlx import blas
+        import mlx.core as mx
+        a = mx.random.normal((512, 576)); b = mx.random.normal((576, 1536)); mx.eval(a, b)
+        for _ in range(3): mx.eval(a @ b)
+        t = time.perf_counter(); n = 20
+        for _ in range(n): mx.eval(a @ b)
+        gflops = 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9
+        maps = open('/proc/self/maps').read()
+        print(blas.status); print('libopenblas' in maps); print(gflops)
+    """).split("\n")
+    status, mapped, gflops = out[0], out[1], float(out[2])
+    assert status.startswith("loaded"), status
+    assert mapped == "True"
+    assert gflops > 20, f"{gflops:.1f} GFLOP/s: the reference BLAS is still in use"
+
+
+def test_preload_is_a_no_op_on_macos():
+    out = run_py(f"""
+        import importlib.util, os, sys
+        spec = importlib.util.spec_from_file_location('blas_only', {str(BLAS_PY)!r})
+        blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
+        sys.platform = 'darwin'
+        print(blas.preload_openblas())
+        maps = '/proc/self/maps'
+        print(os.path.exists(maps) and 'libopenblas' in open(maps).read())
+    """).split("\n")
+    assert out[0].startswith("not needed on darwin"), out
+    assert out[1] == "False"
+
+
+def test_preload_can_be_turned_off():
+    out = run_py("""
+        import os; os.environ['CACHEBACK_MLX_OPENBLAS'] = '0'
+        from cacheback_mlx import blas
+        print(blas.status)
+    """)
+    assert out.startswith("off"), out
+
+
+def test_preload_after_mlx_is_reported_not_attempted():
+    out = run_py(f"""
+        import importlib.util, mlx.core
+        spec = importlib.util.spec_from_file_location('blas_only', {str(BLAS_PY)!r})
+        blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
+        print(blas.preload_openblas())
+    """)
+    assert out.startswith("skipped: mlx.core was imported first"), out
