@@ -32,12 +32,12 @@ class Session:
 
     def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
                  dtype: str | None = None, draft_budget: int | None = None, **drafter_params):
+        first_drafter = make_drafter(drafter, **drafter_params)  # a bad name fails before loading
         self.loaded = load_cached(model, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.drafter_name = drafter
-        self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids,
-                             make_drafter(drafter, **drafter_params), self.loaded.context_length,
-                             draft_budget=draft_budget)
+        self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
+                             self.loaded.context_length, draft_budget=draft_budget)
 
     @property
     def stats(self) -> Stats:

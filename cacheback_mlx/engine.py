@@ -42,7 +42,8 @@ class Stats:
 
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
-    tokens: int = 0  # tokens produced
+    tokens: int = 0  # tokens produced (EOS excluded)
+    accepted: int = 0  # tokens the passes produced, a final EOS included
     passes: int = 0  # verify (forward) passes after prefill
     drafted: int = 0  # draft tokens sent for verification
     prefill_s: float = 0.0
@@ -51,8 +52,8 @@ class Stats:
 
     @property
     def mat(self) -> float:
-        """Mean accepted tokens per pass, bonus token included."""
-        return self.tokens / self.passes if self.passes else 0.0
+        """Mean accepted tokens per pass, bonus token included (Spec-Bench's accept length)."""
+        return self.accepted / self.passes if self.passes else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,6 +183,7 @@ class Engine:
                 self.drafter.observe(out)
                 stats.draft_s += time.perf_counter() - t0
                 stats.tokens += len(out)
+                stats.accepted += len(out) + (stop is not None and len(out) == stop)
                 stats.decode_s = time.perf_counter() - t_start
                 if out:
                     yield out

@@ -39,3 +39,66 @@ def default_model():
     from cacheback_mlx.loader import load
 
     return load()
+
+
+def byte_level_symbols() -> list[str]:
+    """The 256 printable stand-ins GPT-2 style byte-level BPE uses for raw bytes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, seed: int = 0,
+                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    """A tiny llama GGUF (random weights, byte-level tokenizer with no merges) for loader tests.
+    Returns the mlx-lm model holding the same weights."""
+    dtype = dtype or mx.float32
+    symbols = byte_level_symbols()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + symbols
+    model = tiny_llama(seed=seed, vocab=len(tokens), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    from mlx.utils import tree_flatten
+
+    arrays = {}
+    for k, v in tree_flatten(model.parameters()):
+        if k.startswith("model.layers."):
+            _, _, i, rest = k.split(".", 3)
+            mod = rest.rsplit(".", 1)[0]
+            arrays[f"blk.{i}.{names[mod]}.weight"] = v.astype(dtype)
+        elif k == "model.embed_tokens.weight":
+            arrays["token_embd.weight"] = v.astype(dtype)
+        elif k == "model.norm.weight":
+            arrays["output_norm.weight"] = v.astype(dtype)
+        elif k == "lm_head.weight":
+            arrays["output.weight"] = v.astype(dtype)
+    u32 = lambda x: mx.array(x, dtype=mx.uint32)
+    meta = {
+        "general.architecture": arch,
+        "general.name": "tiny",
+        f"{arch}.context_length": u32(context),
+        f"{arch}.embedding_length": u32(hidden),
+        f"{arch}.block_count": u32(layers),
+        f"{arch}.feed_forward_length": u32(2 * hidden),
+        f"{arch}.attention.head_count": u32(heads),
+        f"{arch}.attention.head_count_kv": u32(kv_heads),
+        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(1e-5, dtype=mx.float32),
+        f"{arch}.rope.freq_base": mx.array(10000.0, dtype=mx.float32),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * 256, dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    }
+    mx.save_gguf(str(path), arrays, meta)
+    return model

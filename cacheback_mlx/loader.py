@@ -1,0 +1,143 @@
+"""load(model) -> LoadedModel: GGUF files, mlx-lm folders, Hugging Face repo ids, aliases and the
+embedded default model, all as mlx-lm model classes with mlx-lm tokenizers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import models as manifests
+from .errors import CachebackError
+from .gguf import load_gguf_model, meta_value
+from .tokenizer import tokenizer_from_gguf
+
+DTYPES = ("float32", "float16", "bfloat16", "native")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    name: str
+    source: str
+    context_length: int
+    dtype: str
+    fim: dict | None  # FIM token strings (prefix/suffix/middle, ...) or None
+
+    def __iter__(self):  # model, tokenizer = load()
+        return iter((self.model, self.tokenizer))
+
+
+def default_dtype() -> str:
+    """float32 on the CPU: dequantized f32 weights decode fastest there (measured, see
+    docs/BENCHMARKS.md; MLX's CPU f16/bf16 and quantized matmuls are 3-8x slower than f32 BLAS).
+    float16 on GPUs, where the default model's weights are small and half the bytes is faster."""
+    return "float16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
+
+
+def default_model_path() -> Path:
+    info = manifests.default_model()
+    spec = importlib.util.find_spec(info["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise CachebackError(f"the default model is not installed: run `{info['install']}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / info["file"]
+    if not path.is_file():
+        raise CachebackError(f"the default model file is missing ({path}): run `{info['install']}`")
+    return path
+
+
+def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
+    folder, or a Hugging Face repo id ("org/name")."""
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise CachebackError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    spec = "default" if model is None else str(model)
+    alias = manifests.resolve_alias(spec) if not os.path.exists(spec) else None
+    if alias == "default":
+        return _load_gguf(default_model_path(), dtype, manifests.default_model()["name"])
+    spec = alias or spec
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return _load_gguf(path, dtype, path.stem)
+    if path.is_dir():
+        return _load_folder(path, dtype, path.name)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _load_folder(_hub_snapshot(spec), dtype, spec)
+    raise CachebackError(f"model not found: {spec!r} (not a file, folder, alias or Hugging Face repo id)")
+
+
+def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
+    model, meta = load_gguf_model(path, dtype)
+    tokenizer = tokenizer_from_gguf(meta)
+    arch = meta_value(meta, "general.architecture")
+    context = int(meta_value(meta, f"{arch}.context_length", 4096))
+    fim = manifests.fim_tokens(set(meta.get("tokenizer.ggml.tokens", [])))
+    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim)
+
+
+def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if not (path / "config.json").is_file():
+        raise CachebackError(f"not an mlx-lm model folder (no config.json): {path}")
+    try:
+        model, config = load_model(path, lazy=True)
+        tokenizer = load_tokenizer(path)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise CachebackError(f"cannot load model folder {path}: {str(e).splitlines()[0]}") from None
+    if dtype != "native":
+        _dequantize(model)
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    context = int(config.get("max_position_embeddings") or 4096)
+    fim = manifests.fim_tokens(set(tokenizer.get_vocab()))
+    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim)
+
+
+def _dequantize(model: nn.Module) -> None:
+    """Replace quantized layers with float ones (the CPU runs float32 matmuls much faster)."""
+    layers = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            w = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            lin.weight = w
+            if "bias" in module:
+                lin.bias = module.bias
+            layers.append((path, lin))
+        elif isinstance(module, nn.QuantizedEmbedding):
+            w = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+            emb = nn.Embedding(*w.shape)
+            emb.weight = w
+            layers.append((path, emb))
+    if layers:
+        model.update_modules(_unflatten(layers))
+
+
+def _unflatten(pairs):
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(pairs)
+
+
+def _hub_snapshot(repo: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover
+        raise CachebackError("huggingface_hub is not installed") from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise CachebackError(f"cannot download {repo!r}: offline and not in the Hugging Face cache") from None
+    except HfHubHTTPError as e:
+        raise CachebackError(f"cannot download {repo!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # network errors come in many types
+        raise CachebackError(f"cannot download {repo!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

@@ -1,0 +1,99 @@
+"""Loader: tiny GGUF files written in the test, bad inputs, and the real default model."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import write_tiny_gguf
+
+from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.loader import default_model_path, load
+from cacheback_mlx.replay import SHARED_STREAMS
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_tiny_gguf_loads_with_the_same_logits(tmp_path, dtype):
+    ref = write_tiny_gguf(tmp_path / "tiny.gguf", dtype=dtype)
+    loaded = load(tmp_path / "tiny.gguf", dtype="float32")
+    x = mx.array([[5, 6, 7, 8, 9]])
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    ref.update(_cast(ref, dtype))  # the reference sees the same rounding as the file
+    assert np.allclose(np.array(loaded.model(x)), np.array(ref(x)), atol=tol)
+    assert loaded.context_length == 64 and loaded.dtype == "float32" and loaded.fim is None
+    model, tokenizer = loaded
+    assert tokenizer.decode(tokenizer.encode("héllo wörld")) == "héllo wörld"
+    assert tokenizer.eos_token_ids == {2}
+
+
+def _cast(model, dtype):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda w: w.astype(dtype).astype(mx.float32), model.parameters())
+
+
+def one_line_error(fn, *args, match=None):
+    with pytest.raises(CachebackError) as e:
+        fn(*args)
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    if match:
+        assert match in msg, msg
+    return msg
+
+
+def test_missing_path(tmp_path):
+    one_line_error(load, str(tmp_path / "nope.gguf"), match="not found")
+    one_line_error(load, str(tmp_path / "no" / "such" / "folder"), match="not found")
+
+
+def test_not_a_gguf_and_corrupt_and_truncated(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"hello world" * 100)
+    one_line_error(load, str(junk), match="not a GGUF")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + np.random.default_rng(0).bytes(5000))
+    one_line_error(load, str(corrupt), match="cannot read GGUF")
+    write_tiny_gguf(tmp_path / "ok.gguf")
+    data = (tmp_path / "ok.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    one_line_error(load, str(cut), match="cannot read GGUF")
+
+
+def test_unsupported_architecture(tmp_path):
+    write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    one_line_error(load, str(tmp_path / "gpt2.gguf"), match="unsupported architecture 'gpt2'")
+
+
+def test_unknown_dtype_and_folder_without_config(tmp_path):
+    one_line_error(load, None, "float8", match="unknown dtype")
+    one_line_error(load, str(tmp_path), match="config.json")
+
+
+def test_repo_id_offline_and_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    one_line_error(load, "nobody/no-such-model", match="offline")
+
+
+@pytest.mark.slow
+def test_truncated_real_gguf(tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    one_line_error(load, str(cut), match="cannot read GGUF")
+
+
+@pytest.mark.slow
+def test_default_model_tokenizer_round_trips_recorded_prompts(default_model):
+    if not SHARED_STREAMS.exists():
+        pytest.skip("../shared/data/smollm2_greedy not present")
+    tok = default_model.tokenizer
+    prompts = json.loads((SHARED_STREAMS / "prompts_ids.json").read_text())
+    for p in prompts:
+        assert list(tok.encode(tok.decode(p["ids"]), add_special_tokens=False)) == p["ids"], p["id"]
+    assert default_model.context_length == 8192 and default_model.dtype in ("float32", "float16")

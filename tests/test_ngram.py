@@ -1,0 +1,77 @@
+"""N-gram drafter: FNV-1a vectors, count tables, back-off, window, chain drafts."""
+
+import pytest
+
+from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters.ngram import FNV_OFFSET, NGramDrafter, fnv1a
+from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay_all
+
+
+def test_fnv1a_vectors():
+    assert fnv1a([]) == FNV_OFFSET == 0xCBF29CE484222325
+    # byte-valued tokens give the standard FNV-1a-64 of the bytes
+    assert fnv1a(b"a") == 0xAF63DC4C8601EC8C
+    assert fnv1a(b"foobar") == 0x85944171F73967E8
+    # whole token ids are XORed in before each multiply
+    h = ((FNV_OFFSET ^ 70000) * 1099511628211) % 2**64
+    assert fnv1a([70000]) == h
+    assert fnv1a([1, 2]) != fnv1a([2, 1])
+
+
+def test_most_frequent_continuation_with_back_off():
+    d = NGramDrafter(max_draft=1)
+    d.observe([1, 2, 3, 1, 2, 4, 1, 2, 4, 9, 2, 5])
+    assert d.predict_next([1, 2]) == 4  # 3-gram context (1,2): 4 seen twice, 3 once
+    assert d.predict_next([9, 2]) == 5  # (9,2) -> 5
+    assert d.predict_next([7, 2]) == 4  # unknown (7,2): back off to (2,) -> 4 (2 of 4... ties -> recent)
+    assert d.predict_next([7, 8]) is None
+
+
+def test_longest_context_wins():
+    d = NGramDrafter()
+    d.observe([5, 6, 7, 1, 9, 6, 7, 2, 9, 6, 7, 2])
+    # order 2 (context 7): 1 once, 2 twice -> 2; order 4 (5,6,7) -> 1 wins
+    assert d.predict_next([5, 6, 7]) == 1
+    assert d.predict_next([3, 6, 7]) == 2
+
+
+def test_ties_go_to_the_most_recent():
+    d = NGramDrafter()
+    d.observe([1, 2, 1, 3])
+    assert d.predict_next([1]) == 3
+
+
+def test_chain_drafts_and_budget():
+    d = make_drafter("ngram")
+    seq = [10, 11, 12, 13, 14, 15] * 3
+    d.observe(seq)
+    tree = d.propose(seq, budget=16)
+    assert tree.is_chain() and list(tree.tokens) == [10, 11, 12, 13]  # max_draft=4 by default
+    assert len(d.propose(seq, budget=2)) == 2
+    d8 = NGramDrafter(max_draft=8)
+    d8.observe(seq)
+    assert list(d8.propose(seq, 99).tokens) == [10, 11, 12, 13, 14, 15, 10, 11]
+
+
+def test_window_limits_the_context_history_not_the_tables():
+    d = NGramDrafter(window=4)
+    d.observe([1, 2, 3, 4, 5, 6])
+    assert list(d.history) == [3, 4, 5, 6]
+    assert d.predict_next([1]) == 2  # counts from before the window are kept (as in the seed)
+    d.observe([7])
+    # contexts for new counts come from the window only: (4,5,6)->7 is counted
+    assert d.predict_next([4, 5, 6]) == 7
+
+
+def test_reset_forgets():
+    d = NGramDrafter()
+    d.observe([1, 2, 1, 2])
+    d.reset()
+    assert d.predict_next([1]) is None and len(d.propose([1], 4)) == 0
+
+
+@pytest.mark.skipif(not SHARED_STREAMS.exists(), reason="../shared/data/smollm2_greedy not present")
+def test_replay_mat_on_recorded_streams_matches_the_reference():
+    r = replay_all(lambda: make_drafter("ngram"), load_streams())
+    assert 1.8 <= r.mat <= 2.0, r.mat  # reference figure: 1.89
+    assert r.draft_seconds / r.steps < 1e-3
