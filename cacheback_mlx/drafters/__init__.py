@@ -11,10 +11,6 @@ from .base import Drafter, NoDrafter
 DRAFTERS: dict[str, str] = {
     "none": "cacheback_mlx.drafters.base:NoDrafter",
     "ngram": "cacheback_mlx.drafters.ngram:NGramDrafter",
-    "cacheback": "cacheback_mlx.drafters.cacheback:CachebackDrafter",
-    "pld": "cacheback_mlx.drafters.pld:PromptLookupDrafter",
-    "rest": "cacheback_mlx.drafters.rest:RestDrafter",
-    "ssd": "cacheback_mlx.drafters.ssd:SsdDrafter",
 }
 
 

@@ -1,0 +1,78 @@
+"""The CLI as a user runs it: streaming output, stats, and one-line errors for bad input."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import write_tiny_gguf
+
+
+def cli(*args, stdin=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    err = result.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    write_tiny_gguf(path, context=64)
+    return str(path)
+
+
+def test_generate_streams_text_and_stats(tiny_gguf):
+    r = cli("generate", "hello", "--model", tiny_gguf, "--raw", "--max-tokens", "8", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "MAT" in r.stderr and "tok/s" in r.stderr
+
+
+def test_missing_model(tmp_path):
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "none.gguf")), "not found")
+
+
+def test_corrupt_and_non_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    assert_one_line_error(cli("generate", "hi", "--model", str(bad)), "cannot read GGUF")
+    txt = tmp_path / "notes.gguf"
+    txt.write_text("not a model")
+    assert_one_line_error(cli("generate", "hi", "--model", str(txt)), "not a GGUF")
+
+
+def test_unsupported_architecture(tmp_path):
+    write_tiny_gguf(tmp_path / "x.gguf", arch="falcon")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "x.gguf")), "falcon")
+
+
+def test_unknown_drafter_lists_known_ones(tiny_gguf):
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "magic"), "magic", "ngram", "none")
+
+
+def test_empty_prompt_bad_max_tokens_and_long_prompt(tiny_gguf):
+    assert_one_line_error(cli("generate", "   ", "--model", tiny_gguf, "--raw"), "empty prompt")
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--max-tokens", "0"), "max_tokens")
+    assert_one_line_error(cli("generate", "x" * 200, "--model", tiny_gguf, "--raw"), "context")
+
+
+def test_bad_drafter_arg(tiny_gguf):
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "oops"), "KEY=VALUE")
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "nope=1"), "ngram")
+
+
+def test_prompt_from_stdin(tiny_gguf):
+    r = cli("generate", "-", "--model", tiny_gguf, "--raw", "--max-tokens", "4", stdin="some text")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_default_model_answers_from_the_command_line():
+    r = cli("generate", "What is the capital of France?", "--max-tokens", "24", "--drafter", "ngram", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout

@@ -1,0 +1,53 @@
+"""The real default model (SmolLM2-135M): sensible answers, and every drafter lossless against
+plain greedy decoding, token for token."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from cacheback_mlx.api import Session
+from cacheback_mlx.drafters import drafter_names, make_drafter
+from cacheback_mlx.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("chat", "Write a Python function that returns the n-th Fibonacci number, then explain it."),
+    ("raw", "def bubble_sort(items):\n    \"\"\"Sort a list in place.\"\"\"\n    n = len(items)\n"),
+]
+N = 64
+
+
+@pytest.fixture(scope="module")
+def session(default_model):
+    return Session(default_model, drafter="none")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(session, default_model):
+    out = {}
+    for mode, text in PROMPTS:
+        ids = session.encode(text, chat=(mode == "chat"))
+        eng = Engine(default_model.model, [], make_drafter("none"), default_model.context_length)
+        out[mode] = (ids, [t for step in eng.generate(ids, N) for t in step])
+    return out
+
+
+def test_capital_of_france(session):
+    session.set_drafter("ngram")
+    assert "Paris" in session.generate("What is the capital of France?", max_tokens=24)
+
+
+def test_plain_engine_matches_mlx_lm(default_model, plain_outputs):
+    ids, ours = plain_outputs["raw"]
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), default_model.model, max_tokens=N)]
+    assert ours == ref
+
+
+@pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
+def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_outputs):
+    for mode, (ids, truth) in plain_outputs.items():
+        eng = Engine(default_model.model, [], make_drafter(name), default_model.context_length, draft_budget=16)
+        out = [t for step in eng.generate(ids, N) for t in step]
+        assert out == truth, (name, mode)
+        assert eng.stats.passes <= N
