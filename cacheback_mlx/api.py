@@ -11,7 +11,7 @@ from .errors import CachebackError
 from .loader import LoadedModel, load
 from .sampling import SamplingParams
 
-DEFAULT_DRAFTER = "ngram"
+DEFAULT_DRAFTER = "cacheback"
 
 _loaded: dict[tuple, LoadedModel] = {}
 

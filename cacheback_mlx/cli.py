@@ -111,6 +111,24 @@ def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_toke
                    f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%)", err=True)
 
 
+@main.command("build-table")
+@click.argument("corpus", nargs=-1, required=True)
+@click.option("--out", "-o", required=True, help="Output .npz file.")
+@model_option
+@click.option("--ll", default=1, show_default=True, help="Leader length (tokens).")
+@click.option("--fl", default=3, show_default=True, help="Follower length (tokens).")
+@click.option("--lc", default=1 << 20, show_default=True, help="Leaders kept (the most frequent).")
+@click.option("--fc", default=128, show_default=True, help="Followers kept per leader (the most frequent).")
+@user_errors
+def build_table(corpus, out, model, dtype, ll, fl, lc, fc):
+    """Build a Cacheback frozen table from CORPUS (text files, folders, JSONL) for a model's tokenizer."""
+    from .loader import load
+    from .table_builder import build_table_from_files
+
+    table = build_table_from_files(corpus, load(model, dtype).tokenizer, out, ll=ll, fl=fl, lc=lc, fc=fc)
+    click.echo(f"{len(table)} leaders, {len(table.followers)} followers -> {out}")
+
+
 @main.command()
 @user_errors
 def doctor():

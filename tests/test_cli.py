@@ -76,3 +76,19 @@ def test_default_model_answers_from_the_command_line():
     r = cli("generate", "What is the capital of France?", "--max-tokens", "24", "--drafter", "ngram", "--stats")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_build_table_from_a_folder_and_jsonl(tmp_path, tiny_gguf):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the cat sat on the mat. the cat sat on the hat. " * 20)
+    (corpus / "b.jsonl").write_text('{"text": "the dog sat on the log."}\nnot json\n{"other": "the cat sat"}\n')
+    out = tmp_path / "t.npz"
+    r = cli("build-table", str(corpus), "--out", str(out), "--model", tiny_gguf, "--lc", "50", "--fc", "4")
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and "leaders" in r.stdout
+    # the table is tied to that tokenizer, and the drafter uses it
+    r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "cacheback",
+            "--drafter-arg", f"frozen={out}")
+    assert r.returncode == 0, r.stderr
+    assert_one_line_error(cli("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf), "not found")

@@ -11,6 +11,7 @@ from .base import Drafter, NoDrafter
 DRAFTERS: dict[str, str] = {
     "none": "cacheback_mlx.drafters.base:NoDrafter",
     "ngram": "cacheback_mlx.drafters.ngram:NGramDrafter",
+    "cacheback": "cacheback_mlx.drafters.cacheback:CachebackDrafter",
 }
 
 
@@ -31,7 +32,7 @@ def make_drafter(name: str | Drafter, **params) -> Drafter:
         raise CachebackError(f"drafter {name!r} is not available: {e}") from None
     try:
         return klass(**params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CachebackError(f"bad parameters for drafter {name!r}: {e}") from None
 
 
