@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .drafters import make_drafter
+from .drafters import drafter_names, make_drafter
 from .engine import Engine, Stats
 from .errors import CachebackError
 from .loader import LoadedModel, load
 from .sampling import SamplingParams
+from .tokenizer import vocab_fingerprint
 
 DEFAULT_DRAFTER = "cacheback"
 
@@ -32,9 +33,12 @@ class Session:
 
     def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
                  dtype: str | None = None, draft_budget: int | None = None, **drafter_params):
-        first_drafter = make_drafter(drafter, **drafter_params)  # a bad name fails before loading
+        if drafter not in drafter_names():  # a bad name fails before the model loads
+            make_drafter(drafter)
         self.loaded = load_cached(model, dtype)
         self.tokenizer = self.loaded.tokenizer
+        self.fingerprint = vocab_fingerprint(self.tokenizer)
+        first_drafter = self.make_drafter(drafter, **drafter_params)
         self.drafter_name = drafter
         self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
                              self.loaded.context_length, draft_budget=draft_budget)
@@ -44,8 +48,12 @@ class Session:
         """Counters of the last generation."""
         return self.engine.stats
 
+    def make_drafter(self, name: str, **params):
+        """A drafter for this model (tables tied to a tokenizer are checked against it)."""
+        return make_drafter(name, fingerprint=self.fingerprint, **params)
+
     def set_drafter(self, name: str, **params) -> None:
-        self.engine.set_drafter(make_drafter(name, **params))
+        self.engine.set_drafter(self.make_drafter(name, **params))
         self.drafter_name = name
 
     def reset(self) -> None:

@@ -105,6 +105,7 @@ class Engine:
         self.draft_budget = default_draft_budget() if draft_budget is None else draft_budget
         self.buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets
         self.caches = make_caches(model)
+        self.vocab_size = int(getattr(getattr(model, "args", None), "vocab_size", 1 << 30))
         self.cached: list[int] = []  # tokens whose K/V are in the caches
         self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
         self.stats = Stats()
@@ -160,7 +161,7 @@ class Engine:
                              self.context_length - len(self.cached) - 2)
                 t0 = time.perf_counter()
                 tree = self.drafter.propose(self.history, budget) if budget > 0 else DraftTree.empty()
-                tree = tree.truncate(max(budget, 0))
+                tree = tree.truncate(max(budget, 0)).keep_valid(self.vocab_size)
                 stats.draft_s += time.perf_counter() - t0
                 # verify: root + draft in one pass
                 base = len(self.cached)

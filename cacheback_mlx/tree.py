@@ -66,6 +66,19 @@ class DraftTree:
             kids[p + 1].append(i)
         return kids
 
+    def keep_valid(self, vocab_size: int) -> "DraftTree":
+        """Drop nodes whose token is not a valid id, with their subtrees (a drafter's table may
+        come from another tokenizer; an out-of-range id must never reach the embedding)."""
+        ok = (self.tokens >= 0) & (self.tokens < vocab_size)
+        if ok.all():
+            return self
+        for i, p in enumerate(self.parents):
+            if p >= 0 and not ok[p]:
+                ok[i] = False
+        remap = np.cumsum(ok) - 1
+        parents = np.where(self.parents[ok] < 0, -1, remap[np.maximum(self.parents[ok], 0)])
+        return DraftTree(self.tokens[ok], parents)
+
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (still a valid tree, as parents precede children)."""
         return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])

@@ -223,3 +223,16 @@ def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
         observed = np.array([counts.get(int(t), 0) for t in top] + [n - sum(counts.get(int(t), 0) for t in top)])
         chi2 = float(((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum())
         assert chi2 < 20.5, (chi2, observed, expected)  # 4 dof, p ~ 0.0004
+
+
+def test_out_of_vocabulary_drafts_are_dropped_not_crashing(tiny_model):
+    truth, _ = run(tiny_model, NoDrafter(), n=12)
+
+    class Foreign(Drafter):  # e.g. a table built for another tokenizer
+        def propose(self, history, budget):
+            return DraftTree([10**6, 3, -5, 7], [-1, 0, -1, -1])
+
+    out, _ = run(tiny_model, Foreign(), n=12)
+    assert out == truth
+    kept = DraftTree([10**6, 3, -5, 7, 8], [-1, 0, -1, -1, 3]).keep_valid(96)
+    assert list(kept.tokens) == [7, 8] and list(kept.parents) == [-1, 0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from ..errors import CachebackError
 from .base import Drafter, NoDrafter
@@ -19,8 +20,11 @@ def drafter_names() -> list[str]:
     return list(DRAFTERS)
 
 
-def make_drafter(name: str | Drafter, **params) -> Drafter:
-    """A new drafter by name, with its parameters (e.g. make_drafter("ngram", max_draft=6))."""
+def make_drafter(name: str | Drafter, fingerprint: str | None = None, **params) -> Drafter:
+    """A new drafter by name, with its parameters (e.g. make_drafter("ngram", max_draft=6)).
+
+    fingerprint: the model tokenizer's (tokenizer.vocab_fingerprint), passed on to drafters whose
+    offline tables are tied to one tokenizer (those that take a `fingerprint` argument)."""
     if isinstance(name, Drafter):
         return name
     if name not in DRAFTERS:
@@ -30,6 +34,8 @@ def make_drafter(name: str | Drafter, **params) -> Drafter:
         klass = getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as e:
         raise CachebackError(f"drafter {name!r} is not available: {e}") from None
+    if fingerprint is not None and "fingerprint" in inspect.signature(klass).parameters:
+        params.setdefault("fingerprint", fingerprint)
     try:
         return klass(**params)
     except (TypeError, ValueError) as e:

@@ -47,10 +47,11 @@ class CachebackDrafter(Drafter):
             return None
         if isinstance(frozen, FrozenTable):
             return frozen
-        if frozen is None:
+        if frozen is None:  # the shipped table, when it fits this tokenizer and LL/FL
             if not (DEFAULT_TABLE.is_file() and (self.ll, self.fl) == (1, 3)):
                 return None
-            frozen = DEFAULT_TABLE
+            table = FrozenTable.load(DEFAULT_TABLE)
+            return table if fingerprint in (None, table.fingerprint) else None
         return FrozenTable.load(frozen, fingerprint)
 
     def reset(self) -> None:
