@@ -130,6 +130,74 @@ def build_table(corpus, out, model, dtype, ll, fl, lc, fc):
 
 
 @main.command()
+@model_option
+@click.option("--prompts", default="spec_bench,humaneval", show_default=True, help="Prompt sets (comma list).")
+@click.option("--categories", default=None, help="Only these categories/columns (comma list).")
+@click.option("--per-category", default=2, show_default=True, help="Prompts per category.")
+@click.option("--max-tokens", "-n", default=128, show_default=True)
+@click.option("--drafters", default="none,ngram,cacheback", show_default=True, help="Drafters (comma list; none is always run).")
+@click.option("--drafter-arg", "drafter_args", multiple=True, metavar="NAME.KEY=VALUE",
+              help="A drafter parameter, e.g. --drafter-arg cacheback.tdl=32 (repeatable).")
+@click.option("--draft-budget", type=int, default=None, help="Draft tokens per pass (default: per backend).")
+@click.option("--warmup", default=1, show_default=True, help="Prompts run first and not counted.")
+@click.option("--no-mlx-lm", is_flag=True, help="Skip the plain mlx-lm baseline.")
+@click.option("--data", type=click.Path(file_okay=False), default=None, help="Folder with spec_bench/ and humaneval/.")
+@click.option("--json", "json_out", default=None, help="Write per-prompt records and the summary here.")
+@click.option("--plot", "plot_out", default=None, help="Write a PNG of speedup per column and drafter.")
+@click.option("--verify-cost", is_flag=True, help="Only measure one pass over B tokens relative to one token.")
+@user_errors
+def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters, drafter_args, draft_budget,
+          warmup, no_mlx_lm, data, json_out, plot_out, verify_cost):
+    """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
+    import datetime
+    import platform
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from . import bench as B
+    from .api import Session
+
+    session = Session(model, "none", dtype=dtype, draft_budget=draft_budget)
+    if verify_cost:
+        cost = B.verify_cost(session)
+        click.echo(f"{'B':>4} {'ms':>8} {'x one token':>12}")
+        for b, t in cost.items():
+            click.echo(f"{b:>4} {t * 1e3:>8.2f} {t / cost[1]:>12.2f}")
+        return
+    params: dict = {}
+    for key, value in parse_drafter_args(drafter_args).items():
+        name, _, k = key.partition(".")
+        params.setdefault(name, {})[k] = value
+    names = ["none"] + [n for n in drafters.split(",") if n and n != "none"]
+    instances = {n: session.make_drafter(n, **params.get(n, {})) for n in names}
+    sets = [s for s in prompts.split(",") if s]
+    plist = B.load_prompts(sets, Path(data) if data else B.DATA, per_category, categories.split(",") if categories else None)
+    if not plist:
+        raise CachebackError("no prompts selected")
+    runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
+    summary = B.summarize(runs)
+    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
+            "draft_budget": session.engine.draft_budget, "max_tokens": max_tokens, "per_category": per_category,
+            "prompts": sets}
+    click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
+    click.echo(B.format_table(summary))
+    if json_out:
+        B.save_json(runs, summary, json_out, meta)
+    if plot_out:
+        B.plot(summary, plot_out)
+    bad = B.mismatches(runs)
+    mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm else []
+    if mlx_diff:
+        click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)", err=True)
+    if bad:
+        for m in bad:
+            click.echo(f"LOSSLESS CHECK FAILED: {m}", err=True)
+        sys.exit(1)
+
+
+@main.command()
 @user_errors
 def doctor():
     """Show the backend, BLAS status and default settings."""

@@ -31,9 +31,10 @@ def on_gpu() -> bool:
 
 def default_draft_budget() -> int:
     """Draft tokens per pass, from the measured cost of a B-token pass relative to one token:
-    on a GPU it is flat up to ~256 tokens (wide trees are free); on the CPU it grows with B
-    (1.0x at 2, 1.5x at 8, 2.3x at 16), so a small tree wins there. See docs/BENCHMARKS.md."""
-    return 64 if on_gpu() else 10
+    on a GPU it is flat up to ~256 tokens (wide trees are free); on this CPU a pass of 8 tokens
+    costs ~1.15x one token and 16 tokens ~1.6x, so 7 draft tokens (+ the root) is the sweet spot
+    (`cacheback-mlx bench --verify-cost`; docs/BENCHMARKS.md)."""
+    return 64 if on_gpu() else 7
 
 
 @dataclass

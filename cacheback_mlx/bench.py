@@ -1,0 +1,232 @@
+"""Side-by-side speed runs: several drafters and plain mlx-lm on ONE loaded model, interleaved per
+prompt so machine noise hits all alike. Every drafter's greedy output must equal `none`'s.
+
+Speed is tokens / wall time of the whole request (prefill + decoding), the same definition for
+every row, mlx-lm included. The KV cache and the drafter are reset between questions; the two
+turns of an MT-Bench question share both (turn 2 reuses turn 1's cache and drafter state).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .api import Session
+from .errors import CachebackError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+COLUMNS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval"]
+MLX_LM = "mlx-lm"
+
+
+@dataclass
+class Prompt:
+    id: str
+    column: str
+    turns: list[str]
+    chat: bool = True
+
+
+@dataclass
+class Run:
+    prompt: str
+    column: str
+    drafter: str
+    tokens: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    passes: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+
+
+def column_of(category: str) -> str:
+    return "multi-turn conversation" if category in MT_BENCH else category
+
+
+def load_prompts(sets: list[str], data: Path = DATA, per_category: int = 2, categories: list[str] | None = None) -> list[Prompt]:
+    """The first `per_category` prompts of each category (Spec-Bench categories, or 'humaneval')."""
+    out: list[Prompt] = []
+    seen: dict[str, int] = defaultdict(int)
+    for name in sets:
+        if name == "spec_bench":
+            path = data / "spec_bench" / "question.jsonl"
+            rows = [json.loads(line) for line in _read(path).splitlines() if line.strip()]
+            items = [(str(r["question_id"]), r["category"], r["turns"], True) for r in rows]
+        elif name == "humaneval":
+            path = data / "humaneval" / "HumanEval.jsonl"
+            rows = [json.loads(line) for line in _read(path).splitlines() if line.strip()]
+            items = [(r["task_id"], "humaneval", [r["prompt"]], False) for r in rows]
+        else:
+            raise CachebackError(f"unknown prompt set {name!r} (spec_bench, humaneval)")
+        for pid, cat, turns, chat in items:
+            if categories and cat not in categories and column_of(cat) not in categories:
+                continue
+            if seen[cat] < per_category:
+                seen[cat] += 1
+                out.append(Prompt(pid, column_of(cat), list(turns), chat))
+    return out
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise CachebackError(f"benchmark data not found: {path} (use --data DIR)")
+    return path.read_text()
+
+
+def run_engine(session: Session, drafter, prompt: Prompt, max_tokens: int) -> Run:
+    """One question with one drafter, from an empty cache and a fresh drafter state."""
+    eng = session.engine
+    eng.drafter = drafter
+    eng.reset()
+    run = Run(prompt.id, prompt.column, drafter.name)
+    messages: list[dict] = []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
+        t0 = time.perf_counter()
+        out = [t for step in eng.generate(ids, max_tokens) for t in step]
+        run.seconds += time.perf_counter() - t0
+        run.tokens += out
+        run.passes += eng.stats.passes
+        run.accepted += eng.stats.accepted
+        run.draft_s += eng.stats.draft_s
+        messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
+    return run
+
+
+def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int) -> Run:
+    """The same question with mlx-lm's own stream_generate on the same weights (greedy)."""
+    from mlx_lm import stream_generate
+
+    run = Run(prompt.id, prompt.column, MLX_LM)
+    messages: list[dict] = []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
+        t0 = time.perf_counter()
+        out = []
+        for r in stream_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens):
+            if r.finish_reason is None or r.finish_reason == "length":
+                out.append(int(r.token))
+        run.seconds += time.perf_counter() - t0
+        run.tokens += out
+        run.passes += len(out)
+        run.accepted += len(out)
+        messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
+    return run
+
+
+def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_tokens: int, warmup: int = 1,
+              with_mlx_lm: bool = True, progress: bool = True) -> list[Run]:
+    """Every prompt with every drafter (and mlx-lm), rotating the order per prompt."""
+    from tqdm import tqdm
+
+    names = list(drafters) + ([MLX_LM] if with_mlx_lm else [])
+    for p in prompts[:warmup]:
+        for n in names:
+            _one(session, drafters, n, p, min(max_tokens, 16))
+    runs = []
+    for i, p in enumerate(tqdm(prompts, desc="bench", unit=" prompt", disable=not progress)):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for n in order:
+            runs.append(_one(session, drafters, n, p, max_tokens))
+    return runs
+
+
+def _one(session, drafters, name, prompt, max_tokens) -> Run:
+    if name == MLX_LM:
+        return run_mlx_lm(session, prompt, max_tokens)
+    return run_engine(session, drafters[name], prompt, max_tokens)
+
+
+def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
+    """Prompts where a drafter's greedy tokens differ from the reference's."""
+    ref = {r.prompt: r.tokens for r in runs if r.drafter == reference}
+    out = []
+    for r in runs:
+        if r.drafter != reference and r.prompt in ref and r.tokens != ref[r.prompt]:
+            n = next((i for i, (a, b) in enumerate(zip(r.tokens, ref[r.prompt])) if a != b), min(len(r.tokens), len(ref[r.prompt])))
+            out.append(f"{r.drafter} differs from {reference} on {r.prompt} at token {n}")
+    return out
+
+
+def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
+    """column -> drafter -> {tokens_per_s, speedup_vs_none, speedup_vs_mlx_lm, mat, draft_share, tokens}."""
+    sums: dict = defaultdict(lambda: defaultdict(lambda: np.zeros(5)))
+    for r in runs:
+        for col in (r.column, "overall"):
+            sums[col][r.drafter] += [len(r.tokens), r.seconds, r.passes, r.accepted, r.draft_s]
+    table: dict = {}
+    order = list(dict.fromkeys(r.drafter for r in runs))
+    for col, per in sums.items():
+        per = {d: per[d] for d in order if d in per}
+        tps = {d: v[0] / v[1] if v[1] else 0.0 for d, v in per.items()}
+        table[col] = {d: {"tokens": int(v[0]), "tokens_per_s": tps[d],
+                          "speedup_vs_none": tps[d] / tps["none"] if tps.get("none") else float("nan"),
+                          "speedup_vs_mlx_lm": tps[d] / tps[MLX_LM] if tps.get(MLX_LM) else float("nan"),
+                          "mat": v[3] / v[2] if v[2] else 0.0, "draft_share": v[4] / v[1] if v[1] else 0.0}
+                      for d, v in per.items()}
+    return dict(sorted(table.items(), key=lambda kv: (COLUMNS + ["overall"]).index(kv[0]) if kv[0] in COLUMNS + ["overall"] else 99))
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'column':<24} {'drafter':<10} {'tok/s':>7} {'vs none':>8} {'vs mlx-lm':>9} {'MAT':>5} {'draft%':>6}"]
+    for col, per in summary.items():
+        for d, s in per.items():
+            lines.append(f"{col:<24} {d:<10} {s['tokens_per_s']:>7.2f} {s['speedup_vs_none']:>7.2f}x "
+                         f"{s['speedup_vs_mlx_lm']:>8.2f}x {s['mat']:>5.2f} {100 * s['draft_share']:>5.1f}%")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: str | Path) -> None:
+    """Grouped bars of speedup vs plain decoding per column and drafter (like Figure 3 of the paper)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = list(summary)
+    drafters = [d for d in next(iter(summary.values())) if d != "none"]
+    width = 0.8 / max(len(drafters), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cols)), 4))
+    for i, d in enumerate(drafters):
+        ax.bar(np.arange(len(cols)) + i * width, [summary[c].get(d, {}).get("speedup_vs_none", 0) for c in cols], width, label=d)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(np.arange(len(cols)) + width * (len(drafters) - 1) / 2, cols, rotation=20, ha="right")
+    ax.set_ylabel("speedup vs plain decoding")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def verify_cost(session: Session, sizes=(1, 2, 4, 8, 16, 32, 64, 128), cached: int = 256, repeats: int = 7) -> dict[int, float]:
+    """Median time of one forward pass over B tokens after `cached` cached tokens, per B (seconds)."""
+    from .tree import DraftTree
+    from .verify import prefill, verify_pass
+
+    eng = session.engine
+    eng.reset()
+    prefill(eng.model, eng.caches, list(range(100, 100 + cached)))
+    out = {}
+    for b in sizes:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            mx.eval(verify_pass(eng.model, eng.caches, 5, DraftTree.chain(list(range(7, 7 + b - 1))), eng.buckets))
+            times.append(time.perf_counter() - t0)
+            for c in eng.caches:
+                c.offset = cached
+        out[b] = float(np.median(times[1:]))
+    eng.reset()
+    return out
+
+
+def save_json(runs: list[Run], summary: dict, path: str | Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
