@@ -129,6 +129,27 @@ def build_table(corpus, out, model, dtype, ll, fl, lc, fc):
     click.echo(f"{len(table)} leaders, {len(table.followers)} followers -> {out}")
 
 
+@main.command("build-datastore")
+@click.argument("corpus", nargs=-1, required=True)
+@click.option("--out", "-o", required=True, help="Output folder.")
+@model_option
+@user_errors
+def build_datastore(corpus, out, model, dtype):
+    """Build a REST datastore (token ids + suffix array) from CORPUS for a model's tokenizer."""
+    from tqdm import tqdm
+
+    from .drafters.rest import save_datastore
+    from .loader import load
+    from .table_builder import corpus_texts
+    from .tokenizer import vocab_fingerprint
+
+    tokenizer = load(model, dtype).tokenizer
+    docs = [tokenizer.encode(text, add_special_tokens=False)
+            for _, text in tqdm(list(corpus_texts(corpus)), desc="tokenizing", unit=" docs")]
+    meta = save_datastore(docs, out, fingerprint=vocab_fingerprint(tokenizer))
+    click.echo(f"{meta['tokens']} tokens, suffix array built in {meta['build_seconds']} s -> {out}")
+
+
 @main.command()
 @model_option
 @click.option("--prompts", default="spec_bench,humaneval", show_default=True, help="Prompt sets (comma list).")

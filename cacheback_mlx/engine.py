@@ -194,6 +194,4 @@ class Engine:
                 root = bonus
         finally:
             stats.decode_s = time.perf_counter() - t_start
-            end = getattr(self.drafter, "end_request", None)
-            if end is not None:
-                end()
+            self.drafter.end_request()

@@ -102,10 +102,11 @@ def build_frozen_table(token_streams: Iterable, ll: int = 1, fl: int = 3, lc: in
 def corpus_texts(paths: Iterable[str | Path]) -> Iterator[tuple[Path, str]]:
     """(file, text) for text files, folders (recursively) and JSONL files ("text" field, or every
     string field)."""
-    for p in paths:
-        p = Path(p)
+    paths = [Path(p) for p in paths]
+    for p in paths:  # fail before any output
         if not p.exists():
             raise CachebackError(f"corpus path not found: {p}")
+    for p in paths:
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES) if p.is_dir() else [p]
         for f in files:
             try:

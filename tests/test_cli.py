@@ -92,3 +92,15 @@ def test_build_table_from_a_folder_and_jsonl(tmp_path, tiny_gguf):
             "--drafter-arg", f"frozen={out}")
     assert r.returncode == 0, r.stderr
     assert_one_line_error(cli("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf), "not found")
+
+
+def test_build_datastore_and_use_it_with_rest(tmp_path, tiny_gguf):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 30)
+    out = tmp_path / "ds"
+    r = cli("build-datastore", str(corpus), "--out", str(out), "--model", tiny_gguf)
+    assert r.returncode == 0, r.stderr
+    r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "rest",
+            "--drafter-arg", f"datastore={out}")
+    assert r.returncode == 0, r.stderr
+    assert_one_line_error(cli("generate", "x", "--model", tiny_gguf, "--drafter", "rest"), "build-datastore")

@@ -44,10 +44,26 @@ def test_plain_engine_matches_mlx_lm(default_model, plain_outputs):
     assert ours == ref
 
 
+@pytest.fixture(scope="module")
+def drafter_params(default_model, tmp_path_factory):
+    """What drafters need beyond defaults: a small REST datastore, a private SSD buffer."""
+    import sysconfig
+    from pathlib import Path
+
+    from cacheback_mlx.drafters.rest import save_datastore
+
+    folder = tmp_path_factory.mktemp("drafters")
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [default_model.tokenizer.encode(p.read_text()) for p in (lib / "textwrap.py", lib / "string.py")]
+    save_datastore(docs, folder / "rest")
+    return {"rest": {"datastore": str(folder / "rest")}, "ssd": {"path": str(folder / "ssd.npy")}}
+
+
 @pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
-def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_outputs):
+def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_outputs, drafter_params):
+    drafter = make_drafter(name, **drafter_params.get(name, {}))
     for mode, (ids, truth) in plain_outputs.items():
-        eng = Engine(default_model.model, [], make_drafter(name), default_model.context_length, draft_budget=16)
+        eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16)
         out = [t for step in eng.generate(ids, N) for t in step]
         assert out == truth, (name, mode)
         assert eng.stats.passes <= N

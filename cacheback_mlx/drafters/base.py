@@ -14,6 +14,7 @@ class Drafter:
       observe(prompt_tokens)             once per request/turn with the new prompt tokens
       propose(history, budget) -> tree   each step; history[-1] is the root (last accepted token)
       observe(accepted_tokens)           after each step, with the tokens just accepted
+      end_request()                      when the generation ends
     State persists across requests and turns until reset(), so later turns can get faster.
     """
 
@@ -28,6 +29,9 @@ class Drafter:
     def propose(self, history: Sequence[int], budget: int) -> DraftTree:
         """A tree of at most `budget` draft tokens to follow history[-1]."""
         return DraftTree.empty()
+
+    def end_request(self) -> None:
+        """A generation finished (drafters that learn across requests store it here)."""
 
 
 class NoDrafter(Drafter):

@@ -1,0 +1,97 @@
+"""REST (../shared/seeds/rest.md): retrieval from a datastore built offline from a corpus.
+
+The datastore is the corpus's token ids with a suffix array, saved as .npy files in a folder and
+opened with memory mapping. Each step finds the longest suffix of the context (n_max=16 down to 1)
+in it, merges up to `max_count` continuations of length 10 into a trie, and drafts the top-c
+heaviest nodes as a tree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import CachebackError
+from ..tree import DraftTree
+from .base import Drafter
+from .suffix import SEP, SuffixIndex, suffix_array, trie_tree
+
+FORMAT = "cacheback-rest-datastore/1"
+
+
+def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str = "") -> dict:
+    """Concatenate documents (separated by SEP), build the suffix array, write out/ (atomically)."""
+    out = Path(out)
+    parts = []
+    for tokens in token_streams:
+        parts.append(np.asarray(tokens, np.int32))
+        parts.append(np.array([SEP], np.int32))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    if not len(tokens):
+        raise CachebackError("the corpus produced no tokens")
+    t0 = time.perf_counter()
+    sa = suffix_array(tokens[::-1].copy())
+    meta = {"format": FORMAT, "tokens": int(len(tokens)), "fingerprint": fingerprint,
+            "build_seconds": round(time.perf_counter() - t0, 2)}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "tokens.npy", tokens)
+    np.save(tmp / "suffix_array.npy", sa)
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if out.exists():
+        for f in out.iterdir():
+            f.unlink()
+        out.rmdir()
+    tmp.rename(out)
+    return meta
+
+
+def load_datastore(path: str | Path, fingerprint: str | None = None) -> tuple[SuffixIndex, dict]:
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        tokens = np.load(path / "tokens.npy", mmap_mode="r")
+        sa = np.load(path / "suffix_array.npy", mmap_mode="r")
+    except FileNotFoundError:
+        raise CachebackError(f"REST datastore not found: {path} (build one with `cacheback-mlx build-datastore`)") from None
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise CachebackError(f"cannot read REST datastore {path} (corrupt?): {e}") from None
+    if meta.get("format") != FORMAT or len(tokens) != len(sa) or len(tokens) != meta.get("tokens"):
+        raise CachebackError(f"REST datastore {path} is inconsistent (corrupt?)")
+    if fingerprint is not None and meta.get("fingerprint") not in ("", fingerprint):
+        raise CachebackError(f"REST datastore {path} was built for another tokenizer; rebuild it")
+    return SuffixIndex(tokens, sa), meta
+
+
+class RestDrafter(Drafter):
+    name = "rest"
+
+    def __init__(self, datastore: str | Path | SuffixIndex | None = None, max_n: int = 16, length: int = 10,
+                 top_c: int = 64, max_count: int = 64, fingerprint: str | None = None):
+        if datastore is None:
+            raise CachebackError("the rest drafter needs a datastore: build one with `cacheback-mlx "
+                                 "build-datastore CORPUS --out DIR`, then pass --drafter-arg datastore=DIR")
+        if isinstance(datastore, SuffixIndex):
+            self.index, self.meta = datastore, {"tokens": datastore.n}
+        else:
+            self.index, self.meta = load_datastore(datastore, fingerprint)
+        self.max_n, self.length, self.top_c, self.max_count = max_n, length, top_c, max_count
+        self.last_retrieval_s = 0.0
+
+    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+        t0 = time.perf_counter()
+        n, lo, hi = self.index.longest_match(history, self.max_n)
+        tree = DraftTree.empty()
+        if n:
+            conts = self.index.continuations(lo, hi, self.length, self.max_count)
+            tree = trie_tree(conts, min(self.top_c, budget))
+        self.last_retrieval_s = time.perf_counter() - t0
+        return tree
+
+    def stats(self) -> dict:
+        return {"tokens": int(self.index.n), "bytes": int(self.index.tokens.nbytes + self.index.sa.nbytes),
+                "last_retrieval_ms": round(self.last_retrieval_s * 1e3, 3)}

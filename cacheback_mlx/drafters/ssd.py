@@ -1,0 +1,133 @@
+"""SSD, suffix speculative decoding (../shared/seeds/ssd.md): drafts from everything served before.
+
+Every finished request's tokens (prompt + output) go into one bounded circular buffer shared by
+all requests, and kept on disk between runs, so the runtime drafts better the more it is used. A
+suffix array over the buffer is rebuilt in a background thread after each request; queries use
+the last finished index and never wait for a rebuild. The request in progress is searched too
+(its own history), since it is not in the index yet. Drafts: the most frequent continuations of
+the longest matching context, merged into a small tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..tree import DraftTree
+from .base import Drafter
+from .suffix import SEP, SuffixIndex, trie_tree
+
+log = logging.getLogger(__name__)
+
+
+def default_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cacheback-mlx" / "ssd_buffer.npy"
+
+
+class SsdDrafter(Drafter):
+    name = "ssd"
+
+    def __init__(self, path: str | Path | None = None, capacity: int = 4_000_000, max_n: int = 16,
+                 length: int = 10, top_k: int = 16, max_count: int = 64, persist: bool = True):
+        self.path = Path(path) if path else default_path()
+        self.capacity, self.max_n, self.length = capacity, max_n, length
+        self.top_k, self.max_count, self.persist = top_k, max_count, persist
+        self.buffer = self._load()  # chronological tokens, at most `capacity`
+        self.index: SuffixIndex | None = None
+        self._lock = threading.Lock()
+        self._rebuild: threading.Thread | None = None
+        self._request: list[int] = []
+        self._start_rebuild()
+
+    # -- persistence ---------------------------------------------------------------------
+    def _load(self) -> np.ndarray:
+        if not self.persist or not self.path.is_file():
+            return np.zeros(0, np.int32)
+        try:
+            buf = np.load(self.path, allow_pickle=False)
+            if buf.ndim != 1 or buf.dtype != np.int32:
+                raise ValueError(f"unexpected array {buf.dtype} {buf.shape}")
+            return buf[-self.capacity:]
+        except (OSError, ValueError, EOFError) as e:
+            aside = self.path.with_suffix(".corrupt")
+            log.warning("ssd: %s is unreadable (%s); moved aside to %s", self.path, e, aside)
+            os.replace(self.path, aside)
+            return np.zeros(0, np.int32)
+
+    def _save(self, buf: np.ndarray) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, buf)
+        os.replace(tmp, self.path)
+
+    # -- the buffer and its index --------------------------------------------------------
+    def _start_rebuild(self) -> None:
+        buf = self.buffer
+        if not len(buf) or (self._rebuild is not None and self._rebuild.is_alive()):
+            return
+
+        def work():
+            index = SuffixIndex(buf)
+            with self._lock:
+                self.index = index
+            if self.persist:
+                try:
+                    self._save(buf)
+                except OSError as e:
+                    log.warning("ssd: cannot save %s: %s", self.path, e)
+
+        self._rebuild = threading.Thread(target=work, daemon=True, name="ssd-index")
+        self._rebuild.start()
+
+    def wait(self) -> None:
+        """Block until a background rebuild finishes (tests, and before exit)."""
+        if self._rebuild is not None:
+            self._rebuild.join()
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self._request.extend(int(t) for t in tokens)
+
+    def end_request(self) -> None:
+        """The request is done: add its tokens to the shared buffer and re-index in the background."""
+        if not self._request:
+            return
+        new = np.asarray(self._request + [SEP], np.int32)
+        self.buffer = np.concatenate([self.buffer, new])[-self.capacity:]
+        self._request = []
+        self._start_rebuild()
+
+    def reset(self) -> None:
+        """A new conversation: forget the request in progress (the shared buffer is kept)."""
+        self._request = []
+
+    # -- drafting ------------------------------------------------------------------------
+    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+        with self._lock:
+            index = self.index
+        conts: list[tuple[int, ...]] = []
+        best_n = 0
+        if index is not None:
+            best_n, lo, hi = index.longest_match(history, self.max_n)
+            if best_n:
+                conts = index.continuations(lo, hi, self.length, self.max_count)
+        own = self._own_matches(history, 1)
+        conts = own * 4 + conts  # the request in progress is the best predictor of itself
+        if not conts:
+            return DraftTree.empty()
+        return trie_tree(conts, min(self.top_k, budget))
+
+    def _own_matches(self, history: Sequence[int], min_n: int) -> list[tuple[int, ...]]:
+        """Continuations of the longest context (>= min_n tokens) found earlier in this request."""
+        seq = np.asarray(self._request[-4096:], np.int32)
+        for n in range(min(self.max_n, len(seq) - 1, 4), min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+            if len(hits):
+                return [tuple(seq[h + n : h + n + self.length].tolist()) for h in hits[-4:] if h + n < len(seq)]
+        return []

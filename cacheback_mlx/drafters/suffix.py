@@ -1,0 +1,100 @@
+"""Suffix-array retrieval shared by the REST and SSD drafters.
+
+The suffix array is built over the REVERSED token sequence (pydivsufsort, O(n)). A query context
+read backwards from its last token then matches suffixes of the reversed text, and taking one
+more token of context only narrows the current range: the longest match costs one pair of
+binary searches per context token, O(n_max log n), with no re-search from scratch per length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+SEP = np.iinfo(np.int32).max  # document separator: never a token, never continued across
+
+
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    from pydivsufsort import divsufsort
+
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    return divsufsort(tokens) if len(tokens) else np.zeros(0, np.int32)
+
+
+def _ints(a: np.ndarray) -> memoryview:
+    """A memoryview of native int32s (some arrays carry an explicit '<i' format it can't index)."""
+    a = np.ascontiguousarray(a, dtype=np.int32)
+    return memoryview(a) if memoryview(a).format == "i" else memoryview(a.astype(np.int32))
+
+
+class SuffixIndex:
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray | None = None):
+        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        rev = np.ascontiguousarray(self.tokens[::-1])
+        self.sa = suffix_array(rev) if sa is None else np.asarray(sa, dtype=np.int32)
+        self._rev = _ints(rev)  # fast scalar reads in the binary searches
+        self._sa = _ints(self.sa)
+        self.n = len(self.tokens)
+
+    def _key(self, i: int, k: int) -> int:
+        p = self._sa[i] + k
+        return self._rev[p] if p < self.n else -1  # a suffix that ends sorts first
+
+    def _bound(self, lo: int, hi: int, k: int, token: int, upper: bool) -> int:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            v = self._key(mid, k)
+            if v < token or (upper and v == token):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def longest_match(self, context: Sequence[int], max_n: int = 16) -> tuple[int, int, int]:
+        """(n, lo, hi): the longest n <= max_n such that the last n context tokens occur, and the
+        suffix-array range [lo, hi) of their occurrences."""
+        lo, hi, best = 0, self.n, (0, 0, 0)
+        for k in range(min(max_n, len(context))):
+            t = int(context[-1 - k])
+            lo, hi = self._bound(lo, hi, k, t, False), self._bound(lo, hi, k, t, True)
+            if lo >= hi:
+                break
+            best = (k + 1, lo, hi)
+        return best
+
+    def continuations(self, lo: int, hi: int, length: int, max_count: int = 64) -> list[tuple[int, ...]]:
+        """The tokens after up to max_count occurrences in [lo, hi) (evenly sampled), cut at SEP."""
+        count = hi - lo
+        picks = range(lo, hi) if count <= max_count else np.linspace(lo, hi - 1, max_count).astype(int)
+        out = []
+        for i in picks:
+            start = self.n - self._sa[int(i)]  # forward index just after the match
+            cont = self.tokens[start : start + length].tolist()
+            if SEP in cont:
+                cont = cont[: cont.index(SEP)]
+            if cont:
+                out.append(tuple(cont))
+        return out
+
+
+def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequence[float] | None = None):
+    """Merge continuations into a trie weighted by how many pass through each node; keep the
+    `budget` heaviest nodes (ancestors weigh at least as much as descendants, so the kept set is a
+    tree) and return them in BFS order as (tokens, parents)."""
+    from ..tree import DraftTree
+
+    weight: Counter = Counter()
+    for j, cont in enumerate(continuations):
+        w = 1.0 if weights is None else float(weights[j])
+        for d in range(1, len(cont) + 1):
+            weight[tuple(cont[:d])] += w
+    best = sorted(weight, key=lambda path: (-weight[path], len(path)))[:budget]
+    best.sort(key=len)  # BFS: by depth; parents (shorter, heavier) come first
+    index = {path: i for i, path in enumerate(best)}
+    tokens, parents = [], []
+    for path in best:
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]] if len(path) > 1 else -1)
+    return DraftTree(tokens, parents)

@@ -1,0 +1,162 @@
+"""Retrieval drafters: prompt lookup, suffix-array queries (vs brute force), REST, SSD."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters.pld import PromptLookupDrafter
+from cacheback_mlx.drafters.rest import RestDrafter, load_datastore, save_datastore
+from cacheback_mlx.drafters.ssd import SsdDrafter
+from cacheback_mlx.drafters.suffix import SEP, SuffixIndex, trie_tree
+from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay, replay_all
+
+
+def brute_longest(tokens, context, max_n):
+    best = 0
+    for n in range(1, min(max_n, len(context)) + 1):
+        pat = list(context[-n:])
+        if any(list(tokens[i : i + n]) == pat for i in range(len(tokens) - n + 1)):
+            best = n
+        else:
+            break
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=120), st.lists(st.integers(0, 5), min_size=1, max_size=10))
+def test_suffix_index_longest_match_and_occurrences_match_brute_force(tokens, context):
+    idx = SuffixIndex(np.array(tokens, np.int32))
+    n, lo, hi = idx.longest_match(context, max_n=8)
+    assert n == brute_longest(tokens, context, 8)
+    if n:
+        pat = list(context[-n:])
+        starts = sorted(int(idx.n - 1 - idx.sa[i]) - (n - 1) for i in range(lo, hi))
+        assert starts == [i for i in range(len(tokens) - n + 1) if tokens[i : i + n] == pat]
+        for cont in idx.continuations(lo, hi, 3, max_count=1000):
+            assert len(cont) <= 3
+
+
+def test_continuations_stop_at_document_separators():
+    idx = SuffixIndex(np.array([1, 2, 3, SEP, 1, 2, 4, 5], np.int32))
+    n, lo, hi = idx.longest_match([9, 1, 2], 4)
+    assert n == 2 and sorted(idx.continuations(lo, hi, 5)) == [(3,), (4, 5)]
+
+
+def test_trie_tree_keeps_heaviest_connected_nodes_in_bfs_order():
+    tree = trie_tree([(1, 2, 3), (1, 2, 4), (1, 5), (6,)], budget=4)
+    assert list(tree.tokens) == [1, 6, 2, 5] or list(tree.tokens)[:2] == [1, 6]
+    assert all(p < i for i, p in enumerate(tree.parents)) and np.all(np.diff(tree.depths()) >= 0)
+    assert len(trie_tree([(1, 2)], budget=0)) == 0
+
+
+def test_pld_drafts_the_continuation_of_the_most_recent_match():
+    d = PromptLookupDrafter(max_draft=3)
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    d.observe(seq)
+    assert list(d.propose(seq, 10).tokens) == [7, 8, 5]  # (2,3) last seen before 7,8,5
+    assert len(d.propose(seq, 1)) == 1
+    d.reset()
+    d.observe([4, 5, 6])
+    assert len(d.propose([4, 5, 6], 10)) == 0
+
+
+def test_rest_datastore_round_trip_and_errors(tmp_path):
+    docs = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [9, 1, 2, 3, 4, 5]]
+    meta = save_datastore(docs, tmp_path / "ds", fingerprint="fp")
+    assert meta["tokens"] == sum(len(d) + 1 for d in docs)
+    d = make_drafter("rest", datastore=str(tmp_path / "ds"), fingerprint="fp")
+    tree = d.propose([8, 1, 2, 3], 8)
+    assert list(tree.tokens[:2]) in ([4, 6], [6, 4]) and tree.depths().max() >= 2
+    assert d.stats()["tokens"] == meta["tokens"]
+    with pytest.raises(CachebackError, match="another tokenizer"):
+        RestDrafter(tmp_path / "ds", fingerprint="other")
+    with pytest.raises(CachebackError, match="not found"):
+        RestDrafter(tmp_path / "missing")
+    with pytest.raises(CachebackError, match="build-datastore"):
+        RestDrafter()
+    (tmp_path / "ds" / "tokens.npy").write_bytes(b"garbage")
+    with pytest.raises(CachebackError, match="corrupt"):
+        RestDrafter(tmp_path / "ds")
+
+
+def test_ssd_persists_across_runs_and_sets_corrupt_files_aside(tmp_path):
+    path = tmp_path / "buf.npy"
+    d = SsdDrafter(path=path, capacity=100)
+    d.observe([5, 6, 7, 8, 9])
+    d.end_request()
+    d.wait()
+    assert path.is_file()
+    again = SsdDrafter(path=path, capacity=100)
+    again.wait()
+    again.observe([1, 5, 6])
+    assert list(again.propose([1, 5, 6], 4).tokens[:3]) == [7, 8, 9]
+    path.write_bytes(b"not numpy")
+    broken = SsdDrafter(path=path)  # reported in the log, never raised
+    assert path.with_suffix(".corrupt").is_file() and len(broken.buffer) == 0
+    broken.observe([1, 2])
+    assert len(broken.propose([1, 2], 4)) == 0
+
+
+def test_ssd_buffer_stays_within_its_capacity(tmp_path):
+    d = SsdDrafter(path=tmp_path / "b.npy", capacity=50)
+    for i in range(20):
+        d.observe(list(range(i, i + 10)))
+        d.end_request()
+    d.wait()
+    assert len(d.buffer) == 50 and len(np.load(tmp_path / "b.npy")) <= 50
+
+
+def test_ssd_propose_does_not_wait_for_a_rebuild(tmp_path, monkeypatch):
+    import cacheback_mlx.drafters.ssd as ssd
+
+    started, release = threading.Event(), threading.Event()
+    real = ssd.SuffixIndex
+
+    def slow_index(buf):
+        started.set()
+        release.wait(5)
+        return real(buf)
+
+    d = SsdDrafter(path=tmp_path / "b.npy", persist=False)
+    monkeypatch.setattr(ssd, "SuffixIndex", slow_index)
+    d.observe([1, 2, 3, 1, 2])
+    d.end_request()
+    assert started.wait(5)
+    t0 = time.perf_counter()
+    d.observe([1, 2])
+    d.propose([1, 2], 8)
+    assert time.perf_counter() - t0 < 0.5
+    release.set()
+    d.wait()
+
+
+def test_retrieval_is_fast_on_a_10m_token_store():
+    rng = np.random.default_rng(0)
+    idx = SuffixIndex(rng.integers(0, 49152, size=10_000_000, dtype=np.int32))
+    d = RestDrafter(idx)
+    ctx = list(rng.integers(0, 49152, size=40))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        d.propose(ctx, 32)
+    assert (time.perf_counter() - t0) / 20 < 5e-3  # ~0.1 ms here; loose for slow CI
+
+
+@pytest.mark.skipif(not SHARED_STREAMS.exists(), reason="../shared/data/smollm2_greedy not present")
+def test_replay_mat_pld_and_ssd_learning_curve():
+    streams = load_streams()
+    assert replay_all(lambda: PromptLookupDrafter(), streams).mat >= 2.0  # reference 2.07
+    half = streams[32:48]
+    fresh = replay_all(lambda: SsdDrafter(persist=False), half)
+    d = SsdDrafter(persist=False)
+    for s in streams[:32]:  # serve other requests first
+        replay(d, s["prompt"], s["out"], 96)
+        d.end_request()
+    d.wait()
+    used = replay_all(lambda: d, half, fresh_per_stream=False)
+    assert used.mat > fresh.mat
