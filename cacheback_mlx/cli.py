@@ -111,6 +111,45 @@ def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_toke
                    f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%)", err=True)
 
 
+@main.command()
+@model_option
+@drafter_option
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--max-tokens", "-n", default=512, show_default=True)
+@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@user_errors
+def chat(model, dtype, drafter, draft_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed):
+    """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
+    from .api import Session
+    from .chat import run_chat
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    run_chat(session, system, max_tokens, sampling)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8012, show_default=True)
+@model_option
+@drafter_option
+@click.option("--api-key", default=None, envvar="CACHEBACK_MLX_API_KEY", help="Require Authorization: Bearer KEY.")
+@click.option("--max-body", default=1 << 20, show_default=True, help="Largest request body in bytes.")
+@user_errors
+def serve(host, port, model, dtype, drafter, draft_budget, drafter_args, api_key, max_body):
+    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*."""
+    from .api import Session
+    from .server import serve as run_server
+
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter})", err=True)
+    run_server(session, host, port, api_key, max_body)
+
+
 @main.command("build-table")
 @click.argument("corpus", nargs=-1, required=True)
 @click.option("--out", "-o", required=True, help="Output .npz file.")

@@ -55,12 +55,15 @@ def byte_level_symbols() -> list[str]:
 
 
 def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, seed: int = 0,
-                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, fim: bool = False):
     """A tiny llama GGUF (random weights, byte-level tokenizer with no merges) for loader tests.
     Returns the mlx-lm model holding the same weights."""
     dtype = dtype or mx.float32
     symbols = byte_level_symbols()
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + symbols
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    if fim:
+        specials += ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"]
+    tokens = specials + symbols
     model = tiny_llama(seed=seed, vocab=len(tokens), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -95,7 +98,7 @@ def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, se
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * 256, dtype=mx.int32),
+        "tokenizer.ggml.token_type": mx.array([3] * len(specials) + [1] * 256, dtype=mx.int32),
         "tokenizer.ggml.eos_token_id": u32(2),
         "tokenizer.ggml.bos_token_id": u32(1),
         "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",

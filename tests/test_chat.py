@@ -1,0 +1,95 @@
+"""The chat REPL: commands and save/load with no model, then the real REPL in a pseudo-terminal."""
+
+import json
+import sys
+
+import pytest
+
+from cacheback_mlx.chat import ChatState, handle_command, load_conversation, save_conversation
+from cacheback_mlx.errors import CachebackError
+
+
+class FakeSession:
+    drafter_name = "ngram"
+
+    def __init__(self):
+        self.resets = 0
+
+    def set_drafter(self, name):
+        if name not in ("ngram", "cacheback"):
+            raise CachebackError(f"unknown drafter {name!r}; known drafters: ngram, cacheback")
+        self.drafter_name = name
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_commands():
+    s, st = FakeSession(), ChatState(messages=[{"role": "user", "content": "hi"}])
+    assert handle_command("/drafter", s, st) == "drafter: ngram"
+    assert handle_command("/drafter cacheback", s, st) == "drafter: cacheback" and s.drafter_name == "cacheback"
+    assert handle_command("/drafter bogus", s, st).startswith("error: unknown drafter")
+    assert handle_command("/stats", s, st) == "no reply yet"
+    assert "/drafter" in handle_command("/help", s, st)
+    assert handle_command("/system be brief", s, st).startswith("system prompt set")
+    assert st.system == "be brief" and st.messages == [] and s.resets == 1
+    assert handle_command("/nope", s, st).startswith("unknown command")
+    assert handle_command("/quit", s, st) is None and handle_command("/exit", s, st) is None
+
+
+def test_save_load_round_trip_and_bad_files(tmp_path):
+    st = ChatState(system="sys", messages=[{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}])
+    path = tmp_path / "conv.json"
+    save_conversation(path, st, "ngram")
+    data = load_conversation(path)
+    assert data["messages"] == st.messages and data["system"] == "sys" and data["drafter"] == "ngram"
+    s, other = FakeSession(), ChatState(messages=[{"role": "user", "content": "keep me"}])
+    (tmp_path / "bad.json").write_text("{not json")
+    assert handle_command(f"/load {tmp_path / 'bad.json'}", s, other).startswith("error:")
+    assert handle_command(f"/load {tmp_path / 'missing.json'}", s, other).startswith("error: no such file")
+    (tmp_path / "wrong.json").write_text(json.dumps({"messages": [{"role": "robot"}]}))
+    assert handle_command(f"/load {tmp_path / 'wrong.json'}", s, other).startswith("error:")
+    assert other.messages == [{"role": "user", "content": "keep me"}]  # unchanged after failed loads
+    # saving over an existing file replaces it whole (atomic), never leaves a half-written file
+    save_conversation(path, other, "ngram")
+    assert load_conversation(path)["messages"] == other.messages
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.slow
+def test_real_repl_in_a_pseudo_terminal(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
+    child = pexpect.spawn(sys.executable, ["-m", "cacheback_mlx.cli", "chat", "--max-tokens", "400"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(50, 200))
+    try:
+        child.expect(">>> ")
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")
+        child.expect(r"\[(\d+) tok.*?prefill (\d+) new \+ (\d+) reused")
+        child.expect(">>> ")
+        child.sendline("And what is the capital of Italy?")
+        child.expect(r"prefill (\d+) new \+ (\d+) reused")
+        new, reused = int(child.match.group(1)), int(child.match.group(2))
+        assert reused > new  # the second turn reuses the first turn's KV cache
+        child.expect(">>> ")
+        child.sendline("/drafter bogus")
+        child.expect("error: unknown drafter 'bogus'")
+        child.sendline("/drafter ngram")
+        child.expect("drafter: ngram")
+        child.sendline("/stats")
+        child.expect("MAT")
+        child.expect(">>> ")
+        child.sendline("Write a long story about a dragon who learns to bake bread.")
+        child.expect(r"\w+ \w+ \w+ \w+")  # the reply is streaming
+        child.sendintr()  # Ctrl-C stops it
+        child.expect(r"\[stopped\]")
+        child.expect(">>> ")
+        child.sendline("Say hello.")
+        child.expect(r"\[\d+ tok")
+        child.expect(">>> ")
+        child.sendeof()  # Ctrl-D quits
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
