@@ -42,11 +42,13 @@ def token_picker(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """A function from logits [T, vocab] to one token per row [T]."""
     if params.greedy:
         return lambda logits: mx.argmax(logits, axis=-1)
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
-                           min_p=params.min_p, top_k=params.top_k)
+    top_p = params.top_p if params.top_p < 1 else 0.0
+    with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
+    without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
 
     def pick(logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)
+        sampler = with_k if 0 < params.top_k < logits.shape[-1] else without_k  # k >= vocab: no cut
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     return pick

@@ -10,17 +10,18 @@ generation at the next step. Bad input gets a 4xx with a JSON error, never a 5xx
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from .api import Session
 from .errors import CachebackError
@@ -79,11 +80,17 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 
 class Generator:
-    """Runs generations one at a time on the shared Session, step by step."""
+    """Runs generations one at a time on the shared Session, step by step, all on ONE worker
+    thread: MLX arrays and streams belong to the thread that made them, and the queue of that
+    single worker is also the queue of waiting requests."""
 
     def __init__(self, session: Session):
         self.session = session
         self.lock = threading.Lock()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
     def steps(self, ids: list[int], max_tokens: int, req: Sampling) -> Iterator[tuple[str, bool]]:
         """(text piece, finished) per step, with stop strings applied; holds the model lock."""
@@ -149,22 +156,24 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
         if max_tokens == 0:
             return JSONResponse(shape("", True, None) | {"timings": {}})
         if not req.stream:
-            text = await run_in_threadpool(lambda: "".join(p for p, _ in gen.steps(ids, max_tokens, req)))
+            text = await gen.call(lambda: "".join(p for p, _ in gen.steps(ids, max_tokens, req)))
             return JSONResponse(shape(text, True, gen.timings(len(ids))))
 
         async def events():
             it = gen.steps(ids, max_tokens, req)
             try:
                 while True:
-                    item = await run_in_threadpool(next, it, None)
+                    item = await gen.call(next, it, None)
                     if item is None or await request.is_disconnected():
                         break
                     piece, done = item
                     yield f"data: {json.dumps(shape(piece, done, gen.timings(len(ids)) if done else None))}\n\n"
                     if done:
                         break
+            except Exception as e:  # the response has started: report in the stream, then end it
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             finally:
-                await run_in_threadpool(it.close)  # releases the model lock
+                await gen.call(it.close)  # releases the model lock
             if shape is not llama_shape:
                 yield "data: [DONE]\n\n"
 
