@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -81,14 +82,15 @@ def test_real_repl_in_a_pseudo_terminal(tmp_path):
         child.expect("MAT")
         child.expect(">>> ")
         child.sendline("Write a long story about a dragon who learns to bake bread.")
-        child.expect(r"\w+ \w+ \w+ \w+")  # the reply is streaming
+        time.sleep(5)  # the reply is streaming (400 tokens take ~20 s here)
         child.sendintr()  # Ctrl-C stops it
         child.expect(r"\[stopped\]")
         child.expect(">>> ")
         child.sendline("Say hello.")
         child.expect(r"\[\d+ tok")
         child.expect(">>> ")
-        child.sendeof()  # Ctrl-D quits
+        time.sleep(0.5)  # let prompt_toolkit take the terminal
+        child.sendcontrol("d")  # Ctrl-D quits
         child.expect(pexpect.EOF)
     finally:
         child.close()

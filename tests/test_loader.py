@@ -97,3 +97,29 @@ def test_default_model_tokenizer_round_trips_recorded_prompts(default_model):
     for p in prompts:
         assert list(tok.encode(tok.decode(p["ids"]), add_special_tokens=False)) == p["ids"], p["id"]
     assert default_model.context_length == 8192 and default_model.dtype in ("float32", "float16")
+
+
+def test_mlx_lm_model_folder(tmp_path):
+    """An mlx-lm folder (config.json + safetensors + tokenizer files) loads with the same logits."""
+    from mlx.utils import tree_flatten
+
+    from cacheback_mlx.loader import load as load_any
+
+    gguf = tmp_path / "t.gguf"
+    ref = write_tiny_gguf(gguf)
+    tok = load_any(gguf).tokenizer
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    tok._tokenizer.save_pretrained(folder)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(ref.parameters())))
+    args = ref.args
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers,
+        "intermediate_size": args.intermediate_size, "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads, "rms_norm_eps": args.rms_norm_eps,
+        "vocab_size": args.vocab_size, "rope_traditional": True, "tie_word_embeddings": False,
+        "max_position_embeddings": 128}))
+    loaded = load(str(folder))
+    x = mx.array([[5, 6, 7, 8]])
+    assert np.allclose(np.array(loaded.model(x)), np.array(ref(x)), atol=1e-5)
+    assert loaded.context_length == 128 and loaded.tokenizer.decode(loaded.tokenizer.encode("héllo")) == "héllo"

@@ -1,0 +1,68 @@
+"""Benchmark harness: prompt sets and columns, aggregation, the lossless check, JSON output."""
+
+import json
+
+import pytest
+
+from cacheback_mlx import bench as B
+
+
+def test_spec_bench_columns_and_humaneval_prompts():
+    if not (B.DATA / "spec_bench" / "question.jsonl").is_file():
+        pytest.skip("../shared/data not present")
+    prompts = B.load_prompts(["spec_bench", "humaneval"], per_category=1)
+    cols = {p.column for p in prompts}
+    assert cols == set(B.COLUMNS)
+    mt = [p for p in prompts if p.column == "multi-turn conversation"]
+    assert len(mt) == 8 and all(len(p.turns) == 2 and p.chat for p in mt)
+    he = [p for p in prompts if p.column == "humaneval"]
+    assert len(he) == 1 and not he[0].chat and he[0].turns[0].startswith(("def", "from", "import", "\n"))
+    only = B.load_prompts(["spec_bench"], per_category=3, categories=["qa"])
+    assert len(only) == 3 and {p.column for p in only} == {"qa"}
+
+
+def runs():
+    R = B.Run
+    return [R("q1", "qa", "none", [1, 2, 3, 4], 2.0, 4, 4, 0.0), R("q1", "qa", "ngram", [1, 2, 3, 4], 1.0, 2, 4, 0.1),
+            R("q1", "qa", "mlx-lm", [1, 2, 3, 4], 2.0, 4, 4, 0.0),
+            R("h1", "humaneval", "none", [5, 6], 1.0, 2, 2, 0.0), R("h1", "humaneval", "ngram", [5, 7], 0.5, 1, 2, 0.0),
+            R("h1", "humaneval", "mlx-lm", [5, 6], 1.0, 2, 2, 0.0)]
+
+
+def test_summary_aggregates_per_column_and_overall():
+    s = B.summarize(runs())
+    assert list(s) == ["qa", "humaneval", "overall"]
+    assert s["qa"]["ngram"]["tokens_per_s"] == 4.0 and s["qa"]["ngram"]["speedup_vs_none"] == 2.0
+    assert s["qa"]["ngram"]["speedup_vs_mlx_lm"] == 2.0 and s["qa"]["ngram"]["mat"] == 2.0
+    assert s["overall"]["none"]["tokens"] == 6 and s["overall"]["ngram"]["tokens_per_s"] == 6 / 1.5
+    assert abs(s["qa"]["ngram"]["draft_share"] - 0.1) < 1e-9
+    assert "qa" in B.format_table(s)
+
+
+def test_a_drafter_whose_output_differs_is_reported():
+    bad = B.mismatches(runs())
+    assert bad == ["ngram differs from none on h1 at token 1"]
+
+
+def test_json_output(tmp_path):
+    r = runs()
+    B.save_json(r, B.summarize(r), tmp_path / "b.json", {"machine": "test"})
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["meta"]["machine"] == "test" and len(data["runs"]) == 6
+    assert data["summary"]["overall"]["ngram"]["mat"] == pytest.approx(2.0)
+
+
+def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
+    from conftest import write_tiny_gguf
+
+    from cacheback_mlx.api import Session
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    session = Session(str(tmp_path / "t.gguf"), "none")
+    prompts = [B.Prompt("a", "qa", ["hello there"], chat=True), B.Prompt("b", "humaneval", ["def f(x):"], chat=False),
+               B.Prompt("c", "multi-turn conversation", ["hi", "and then?"], chat=True)]
+    drafters = {n: session.make_drafter(n) for n in ("none", "ngram", "cacheback")}
+    out = B.run_bench(session, prompts, drafters, max_tokens=12, warmup=0, progress=False)
+    assert len(out) == 3 * 4 and not B.mismatches(out)
+    assert {r.drafter for r in out} == {"none", "ngram", "cacheback", "mlx-lm"}
+    assert all(r.tokens for r in out if r.drafter == "none")
