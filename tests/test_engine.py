@@ -236,3 +236,17 @@ def test_out_of_vocabulary_drafts_are_dropped_not_crashing(tiny_model):
     assert out == truth
     kept = DraftTree([10**6, 3, -5, 7, 8], [-1, 0, -1, -1, 3]).keep_valid(96)
     assert list(kept.tokens) == [7, 8] and list(kept.parents) == [-1, 0]
+
+
+def test_every_registered_drafter_is_lossless_on_tiny_models(tiny_model, tmp_path):
+    from cacheback_mlx.drafters import drafter_names, make_drafter
+    from cacheback_mlx.drafters.rest import save_datastore
+
+    prompt = PROMPT * 4  # repetition gives the drafters something to find
+    truth, _ = run(tiny_model, NoDrafter(), prompt=prompt, n=40)
+    save_datastore([prompt + truth[:20], truth], tmp_path / "rest")
+    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")}}
+    for name in drafter_names():
+        d = make_drafter(name, **params.get(name, {}))
+        out, eng = run(tiny_model, d, prompt=prompt, n=40, draft_budget=16)
+        assert out == truth, name
