@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ def read_input(prompt_session, interactive: bool) -> str:
 
 
 def run_chat(session, system: str | None, max_tokens: int, sampling: SamplingParams) -> None:
+    # Ctrl-C must stop a reply even when we were started with SIGINT ignored (nohup, `cmd &`).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     state = ChatState(system=system)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     prompt_session = None
