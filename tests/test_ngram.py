@@ -7,14 +7,24 @@ from cacheback_mlx.drafters.ngram import FNV_OFFSET, NGramDrafter, fnv1a
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay_all
 
 
+def reference_fnv1a(tokens):
+    """FNV-1a 64 written out: XOR the whole token in, multiply by the prime, keep 64 bits."""
+    h = 14695981039346656037
+    for t in tokens:
+        h = ((h ^ t) * 1099511628211) % 2**64
+    return h
+
+
 def test_fnv1a_vectors():
-    assert fnv1a([]) == FNV_OFFSET == 0xCBF29CE484222325
+    assert fnv1a([]) == FNV_OFFSET == 14695981039346656037 == 0xCBF29CE484222325
+    # by hand: (0xcbf29ce484222325 ^ 1) * 0x100000001b3 mod 2^64
+    assert fnv1a([1]) == reference_fnv1a([1]) == 0xAF63BC4C8601B62C
+    assert fnv1a([1, 2, 3]) == reference_fnv1a([1, 2, 3]) == 0xD0AA6218672CF5AB
     # byte-valued tokens give the standard FNV-1a-64 of the bytes
     assert fnv1a(b"a") == 0xAF63DC4C8601EC8C
     assert fnv1a(b"foobar") == 0x85944171F73967E8
-    # whole token ids are XORed in before each multiply
-    h = ((FNV_OFFSET ^ 70000) * 1099511628211) % 2**64
-    assert fnv1a([70000]) == h
+    # whole token ids (not their bytes) are XORed in before each multiply
+    assert fnv1a([70000]) == reference_fnv1a([70000]) == ((FNV_OFFSET ^ 70000) * 1099511628211) % 2**64
     assert fnv1a([1, 2]) != fnv1a([2, 1])
 
 
@@ -39,6 +49,10 @@ def test_ties_go_to_the_most_recent():
     d = NGramDrafter()
     d.observe([1, 2, 1, 3])
     assert d.predict_next([1]) == 3
+    d.observe([1, 2])  # 2 leads, 2 to 1
+    assert d.predict_next([1]) == 2
+    d.observe([1, 3])  # tied again at 2 each: 3 was seen last
+    assert d.predict_next([1]) == 3
 
 
 def test_chain_drafts_and_budget():
@@ -48,6 +62,7 @@ def test_chain_drafts_and_budget():
     tree = d.propose(seq, budget=16)
     assert tree.is_chain() and list(tree.tokens) == [10, 11, 12, 13]  # max_draft=4 by default
     assert len(d.propose(seq, budget=2)) == 2
+    assert len(d.propose(seq, budget=0)) == 0
     d8 = NGramDrafter(max_draft=8)
     d8.observe(seq)
     assert list(d8.propose(seq, 99).tokens) == [10, 11, 12, 13, 14, 15, 10, 11]

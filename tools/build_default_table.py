@@ -2,7 +2,9 @@
 
 Corpus: the CPython standard library sources of the running interpreter (site-packages and test
 data excluded): code plus English docstrings and comments, available offline on every machine.
-Not the benchmark data in ../shared/data, which is the test set. Takes ~2 minutes on 2 cores.
+Not the benchmark data in ../shared/data, which is the test set. Takes ~20 s on 2 cores
+(580 files, 11 MB, 3.1M tokens with Python 3.11.7; another Python version gives a slightly
+different table).
 
     .venv/bin/python tools/build_default_table.py
 """
