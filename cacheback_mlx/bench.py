@@ -80,12 +80,12 @@ def _read(path: Path) -> str:
     return path.read_text()
 
 
-def run_engine(session: Session, drafter, prompt: Prompt, max_tokens: int) -> Run:
+def run_engine(session: Session, drafter, prompt: Prompt, max_tokens: int, label: str | None = None) -> Run:
     """One question with one drafter, from an empty cache and a fresh drafter state."""
     eng = session.engine
     eng.drafter = drafter
     eng.reset()
-    run = Run(prompt.id, prompt.column, drafter.name)
+    run = Run(prompt.id, prompt.column, label or drafter.name)
     messages: list[dict] = []
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
@@ -123,13 +123,19 @@ def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int) -> Run:
     return run
 
 
+# Warm-up questions are not in any prompt set, so drafters that keep state across requests (SSD)
+# have not seen the answers of benchmarked questions before they are asked.
+WARMUP = [Prompt("warmup-chat", "warmup", ["Name three colours and say one thing about each."], chat=True),
+          Prompt("warmup-code", "warmup", ["def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"], chat=False)]
+
+
 def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_tokens: int, warmup: int = 1,
               with_mlx_lm: bool = True, progress: bool = True) -> list[Run]:
     """Every prompt with every drafter (and mlx-lm), rotating the order per prompt."""
     from tqdm import tqdm
 
     names = list(drafters) + ([MLX_LM] if with_mlx_lm else [])
-    for p in prompts[:warmup]:
+    for p in WARMUP[:warmup]:
         for n in names:
             _one(session, drafters, n, p, min(max_tokens, 16))
     runs = []
@@ -143,7 +149,7 @@ def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_token
 def _one(session, drafters, name, prompt, max_tokens) -> Run:
     if name == MLX_LM:
         return run_mlx_lm(session, prompt, max_tokens)
-    return run_engine(session, drafters[name], prompt, max_tokens)
+    return run_engine(session, drafters[name], prompt, max_tokens, label=name)
 
 
 def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
@@ -171,17 +177,22 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
         table[col] = {d: {"tokens": int(v[0]), "tokens_per_s": tps[d],
                           "speedup_vs_none": tps[d] / tps["none"] if tps.get("none") else float("nan"),
                           "speedup_vs_mlx_lm": tps[d] / tps[MLX_LM] if tps.get(MLX_LM) else float("nan"),
-                          "mat": v[3] / v[2] if v[2] else 0.0, "draft_share": v[4] / v[1] if v[1] else 0.0}
+                          "mat": v[3] / v[2] if v[2] else 0.0, "draft_share": v[4] / v[1] if v[1] else 0.0,
+                          "draft_us_per_pass": 1e6 * v[4] / v[2] if v[2] else 0.0}
                       for d, v in per.items()}
     return dict(sorted(table.items(), key=lambda kv: (COLUMNS + ["overall"]).index(kv[0]) if kv[0] in COLUMNS + ["overall"] else 99))
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'column':<24} {'drafter':<10} {'tok/s':>7} {'vs none':>8} {'vs mlx-lm':>9} {'MAT':>5} {'draft%':>6}"]
+    """A Markdown table: one row per column and drafter (pasted as is into docs/BENCHMARKS.md)."""
+    width = max([7] + [len(d) for per in summary.values() for d in per])
+    lines = [f"| {'column':<24} | {'drafter':<{width}} | tok/s | vs none | vs mlx-lm | MAT | draft% | draft us/pass |",
+             f"|{'-' * 26}|{'-' * (width + 2)}|------:|--------:|----------:|----:|-------:|--------------:|"]
     for col, per in summary.items():
         for d, s in per.items():
-            lines.append(f"{col:<24} {d:<10} {s['tokens_per_s']:>7.2f} {s['speedup_vs_none']:>7.2f}x "
-                         f"{s['speedup_vs_mlx_lm']:>8.2f}x {s['mat']:>5.2f} {100 * s['draft_share']:>5.1f}%")
+            lines.append(f"| {col:<24} | {d:<{width}} | {s['tokens_per_s']:5.2f} | {s['speedup_vs_none']:6.2f}x "
+                         f"| {s['speedup_vs_mlx_lm']:8.2f}x | {s['mat']:4.2f} | {100 * s['draft_share']:5.1f}% "
+                         f"| {s['draft_us_per_pass']:13.0f} |")
     return "\n".join(lines)
 
 

@@ -55,19 +55,25 @@ def model_option(fn):
 
 
 def parse_drafter_args(pairs) -> dict:
+    """KEY=VALUE strings -> parameters; values become int, float or bool when they read as one."""
     params = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
-            raise CachebackError(f"--drafter-arg needs KEY=VALUE, got {pair!r}")
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                pass
-        params[key.replace("-", "_")] = value
+        if not sep or not key:
+            raise CachebackError(f"drafter arguments are KEY=VALUE, got {pair!r}")
+        params[key.replace("-", "_")] = parse_value(value)
     return params
+
+
+def parse_value(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -195,11 +201,12 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--categories", default=None, help="Only these categories/columns (comma list).")
 @click.option("--per-category", default=2, show_default=True, help="Prompts per category.")
 @click.option("--max-tokens", "-n", default=128, show_default=True)
-@click.option("--drafters", default="none,ngram,cacheback", show_default=True, help="Drafters (comma list; none is always run).")
+@click.option("--drafters", default="none,ngram,cacheback", show_default=True, help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
+                   "reported under that label: cacheback:frozen=false,cacheback:ll=2:fl=1.")
 @click.option("--drafter-arg", "drafter_args", multiple=True, metavar="NAME.KEY=VALUE",
               help="A drafter parameter, e.g. --drafter-arg cacheback.tdl=32 (repeatable).")
 @click.option("--draft-budget", type=int, default=None, help="Draft tokens per pass (default: per backend).")
-@click.option("--warmup", default=1, show_default=True, help="Prompts run first and not counted.")
+@click.option("--warmup", default=1, show_default=True, help="Warm-up questions (outside the prompt sets, not counted), at most 2.")
 @click.option("--no-mlx-lm", is_flag=True, help="Skip the plain mlx-lm baseline.")
 @click.option("--data", type=click.Path(file_okay=False), default=None, help="Folder with spec_bench/ and humaneval/.")
 @click.option("--json", "json_out", default=None, help="Write per-prompt records and the summary here.")
@@ -229,8 +236,11 @@ def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters,
     for key, value in parse_drafter_args(drafter_args).items():
         name, _, k = key.partition(".")
         params.setdefault(name, {})[k] = value
-    names = ["none"] + [n for n in drafters.split(",") if n and n != "none"]
-    instances = {n: session.make_drafter(n, **params.get(n, {})) for n in names}
+    params.setdefault("ssd", {}).setdefault("persist", False)  # start empty: the saved buffer may hold these answers
+    instances = {}
+    for label in ["none"] + [n for n in drafters.split(",") if n and n != "none"]:
+        name, *variant = label.split(":")  # e.g. cacheback:frozen=false:tdl=32
+        instances[label] = session.make_drafter(name, **{**params.get(name, {}), **parse_drafter_args(variant)})
     sets = [s for s in prompts.split(",") if s]
     plist = B.load_prompts(sets, Path(data) if data else B.DATA, per_category, categories.split(",") if categories else None)
     if not plist:

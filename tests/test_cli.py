@@ -104,3 +104,27 @@ def test_build_datastore_and_use_it_with_rest(tmp_path, tiny_gguf):
             "--drafter-arg", f"datastore={out}")
     assert r.returncode == 0, r.stderr
     assert_one_line_error(cli("generate", "x", "--model", tiny_gguf, "--drafter", "rest"), "build-datastore")
+
+
+def test_bench_runs_drafter_variants_side_by_side(tmp_path):
+    """`--drafters` variants (NAME:KEY=VALUE) are separate rows, each checked against `none`."""
+    import json
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "humaneval").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["what is it?"]}) + "\n")
+    (tmp_path / "humaneval" / "HumanEval.jsonl").write_text(
+        json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n"}) + "\n")
+    r = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--per-category", "1",
+            "--max-tokens", "8", "--warmup", "0", "--no-mlx-lm", "--json", str(tmp_path / "b.json"),
+            "--drafters", "cacheback,cacheback:frozen=false,cacheback:dynamic=false:tdl=8", timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    assert list(summary["overall"]) == ["none", "cacheback", "cacheback:frozen=false", "cacheback:dynamic=false:tdl=8"]
+    assert "| cacheback:frozen=false " in r.stdout
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters", "cacheback:nope=1")
+    assert_one_line_error(bad, "cacheback")
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters", "cacheback:frozen")
+    assert_one_line_error(bad, "KEY=VALUE")
