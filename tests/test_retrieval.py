@@ -48,11 +48,39 @@ def test_continuations_stop_at_document_separators():
     assert n == 2 and sorted(idx.continuations(lo, hi, 5)) == [(3,), (4, 5)]
 
 
+def paths_of(tree):
+    """Root-to-node token paths of a DraftTree, by node."""
+    out = []
+    for t, p in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        out.append((out[p] if p >= 0 else ()) + (t,))
+    return out
+
+
+def reference_trie(conts, budget):
+    """Brute force: weigh every prefix, keep the `budget` heaviest (shallower, then first seen)."""
+    weight, first = {}, {}
+    for cont in conts:
+        for d in range(1, len(cont) + 1):
+            path = tuple(cont[:d])
+            first.setdefault(path, len(first))
+            weight[path] = weight.get(path, 0) + 1
+    return sorted(weight, key=lambda p: (-weight[p], len(p), first[p]))[:budget]
+
+
 def test_trie_tree_keeps_heaviest_connected_nodes_in_bfs_order():
     tree = trie_tree([(1, 2, 3), (1, 2, 4), (1, 5), (6,)], budget=4)
-    assert list(tree.tokens) == [1, 6, 2, 5] or list(tree.tokens)[:2] == [1, 6]
-    assert all(p < i for i, p in enumerate(tree.parents)) and np.all(np.diff(tree.depths()) >= 0)
+    assert paths_of(tree) == [(1,), (6,), (1, 2), (1, 5)]  # weights 3, 1 | 2, 1
     assert len(trie_tree([(1, 2)], budget=0)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), max_size=12), st.integers(0, 20))
+def test_trie_tree_matches_brute_force(conts, budget):
+    tree = trie_tree(conts, budget)
+    paths = paths_of(tree)
+    assert set(paths) == set(reference_trie(conts, budget))
+    assert all(p < i for i, p in enumerate(tree.parents.tolist())) and np.all(np.diff(tree.depths()) >= 0)
+    assert len(set(paths)) == len(paths)  # no duplicate siblings
 
 
 def test_pld_drafts_the_continuation_of_the_most_recent_match():

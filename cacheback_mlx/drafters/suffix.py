@@ -8,7 +8,7 @@ binary searches per context token, O(n_max log n), with no re-search from scratc
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -81,20 +81,32 @@ class SuffixIndex:
 
 def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequence[float] | None = None):
     """Merge continuations into a trie weighted by how many pass through each node; keep the
-    `budget` heaviest nodes (ancestors weigh at least as much as descendants, so the kept set is a
-    tree) and return them in BFS order as (tokens, parents)."""
+    `budget` heaviest nodes (ties: shallower, then first seen; ancestors weigh at least as much as
+    descendants, so the kept set is a tree) and return them as a DraftTree in BFS order."""
     from ..tree import DraftTree
 
-    weight: Counter = Counter()
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    weight: list[float] = []
+    grouped: dict[tuple, float] = {}  # identical continuations (cut to the budget's depth) merge
     for j, cont in enumerate(continuations):
-        w = 1.0 if weights is None else float(weights[j])
-        for d in range(1, len(cont) + 1):
-            weight[tuple(cont[:d])] += w
-    best = sorted(weight, key=lambda path: (-weight[path], len(path)))[:budget]
-    best.sort(key=len)  # BFS: by depth; parents (shorter, heavier) come first
-    index = {path: i for i, path in enumerate(best)}
-    tokens, parents = [], []
-    for path in best:
-        tokens.append(path[-1])
-        parents.append(index[path[:-1]] if len(path) > 1 else -1)
-    return DraftTree(tokens, parents)
+        key = tuple(cont[:budget])
+        grouped[key] = grouped.get(key, 0.0) + (1.0 if weights is None else float(weights[j]))
+    for cont, w in grouped.items():
+        node = -1
+        for t in cont:
+            nxt = child.get((node, t))
+            if nxt is None:
+                nxt = child[(node, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                depth.append(1 if node < 0 else depth[node] + 1)
+                weight.append(0.0)
+            weight[nxt] += w
+            node = nxt
+    keep = heapq.nsmallest(max(budget, 0), range(len(tokens)), key=lambda i: (-weight[i], depth[i], i))
+    keep.sort(key=lambda i: (depth[i], -weight[i], i))  # BFS; parents (shallower, heavier) first
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])
