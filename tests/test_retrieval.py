@@ -108,8 +108,17 @@ def test_rest_datastore_round_trip_and_errors(tmp_path):
         RestDrafter(tmp_path / "missing")
     with pytest.raises(CachebackError, match="build-datastore"):
         RestDrafter()
-    (tmp_path / "ds" / "tokens.npy").write_bytes(b"garbage")
+    assert isinstance(d.index.rev, np.memmap) and isinstance(d.index.sa, np.memmap)  # mapped, not read
+    sa = np.load(tmp_path / "ds" / "suffix_array.npy")
+    np.save(tmp_path / "ds" / "suffix_array.npy", sa[:-1])  # truncated
     with pytest.raises(CachebackError, match="corrupt"):
+        RestDrafter(tmp_path / "ds")
+    (tmp_path / "ds" / "reversed_tokens.npy").write_bytes(b"garbage")
+    with pytest.raises(CachebackError, match="corrupt"):
+        RestDrafter(tmp_path / "ds")
+    meta_file = tmp_path / "ds" / "meta.json"
+    meta_file.write_text(meta_file.read_text().replace("datastore/2", "datastore/1"))
+    with pytest.raises(CachebackError, match="rebuild"):
         RestDrafter(tmp_path / "ds")
 
 

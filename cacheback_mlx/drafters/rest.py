@@ -20,7 +20,7 @@ from ..tree import DraftTree
 from .base import Drafter
 from .suffix import SEP, SuffixIndex, suffix_array, trie_tree
 
-FORMAT = "cacheback-rest-datastore/1"
+FORMAT = "cacheback-rest-datastore/2"  # /2: reversed tokens on disk, mapped as they are
 
 
 def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str = "") -> dict:
@@ -34,12 +34,13 @@ def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fing
     if not len(tokens):
         raise CachebackError("the corpus produced no tokens")
     t0 = time.perf_counter()
-    sa = suffix_array(tokens[::-1].copy())
+    rev = np.ascontiguousarray(tokens[::-1])
+    sa = suffix_array(rev)
     meta = {"format": FORMAT, "tokens": int(len(tokens)), "fingerprint": fingerprint,
             "build_seconds": round(time.perf_counter() - t0, 2)}
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "tokens.npy", tokens)
+    np.save(tmp / "reversed_tokens.npy", rev)
     np.save(tmp / "suffix_array.npy", sa)
     (tmp / "meta.json").write_text(json.dumps(meta))
     if out.exists():
@@ -54,17 +55,19 @@ def load_datastore(path: str | Path, fingerprint: str | None = None) -> tuple[Su
     path = Path(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
-        tokens = np.load(path / "tokens.npy", mmap_mode="r")
+        if meta.get("format") != FORMAT:
+            raise CachebackError(f"REST datastore {path} has format {meta.get('format')!r}, not {FORMAT!r}; rebuild it")
+        rev = np.load(path / "reversed_tokens.npy", mmap_mode="r")
         sa = np.load(path / "suffix_array.npy", mmap_mode="r")
     except FileNotFoundError:
         raise CachebackError(f"REST datastore not found: {path} (build one with `cacheback-mlx build-datastore`)") from None
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise CachebackError(f"cannot read REST datastore {path} (corrupt?): {e}") from None
-    if meta.get("format") != FORMAT or len(tokens) != len(sa) or len(tokens) != meta.get("tokens"):
+    if rev.dtype != np.int32 or sa.dtype != np.int32 or len(rev) != len(sa) or len(rev) != meta.get("tokens"):
         raise CachebackError(f"REST datastore {path} is inconsistent (corrupt?)")
     if fingerprint is not None and meta.get("fingerprint") not in ("", fingerprint):
         raise CachebackError(f"REST datastore {path} was built for another tokenizer; rebuild it")
-    return SuffixIndex(tokens, sa), meta
+    return SuffixIndex(sa=sa, reversed_tokens=rev), meta
 
 
 class RestDrafter(Drafter):
@@ -93,5 +96,5 @@ class RestDrafter(Drafter):
         return tree
 
     def stats(self) -> dict:
-        return {"tokens": int(self.index.n), "bytes": int(self.index.tokens.nbytes + self.index.sa.nbytes),
+        return {"tokens": int(self.index.n), "bytes": self.index.nbytes,
                 "last_retrieval_ms": round(self.last_retrieval_s * 1e3, 3)}

@@ -30,13 +30,24 @@ def _ints(a: np.ndarray) -> memoryview:
 
 
 class SuffixIndex:
-    def __init__(self, tokens: np.ndarray, sa: np.ndarray | None = None):
-        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        rev = np.ascontiguousarray(self.tokens[::-1])
-        self.sa = suffix_array(rev) if sa is None else np.asarray(sa, dtype=np.int32)
-        self._rev = _ints(rev)  # fast scalar reads in the binary searches
+    """Longest-suffix queries over a token sequence, kept only in reversed order (so a datastore's
+    arrays can be memory-mapped as they are on disk, with no copy)."""
+
+    def __init__(self, tokens: np.ndarray | None = None, sa: np.ndarray | None = None,
+                 reversed_tokens: np.ndarray | None = None):
+        """Give `tokens`, or `reversed_tokens` (tokens[::-1]) as stored; `sa` is the suffix array
+        of the reversed sequence (built when None)."""
+        if reversed_tokens is None:
+            reversed_tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)[::-1])
+        self.rev = reversed_tokens
+        self.sa = suffix_array(self.rev) if sa is None else sa
+        self._rev = _ints(self.rev)  # fast scalar reads in the binary searches
         self._sa = _ints(self.sa)
-        self.n = len(self.tokens)
+        self.n = len(self.rev)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rev.nbytes + self.sa.nbytes)
 
     def _key(self, i: int, k: int) -> int:
         p = self._sa[i] + k
@@ -70,8 +81,8 @@ class SuffixIndex:
         picks = range(lo, hi) if count <= max_count else np.linspace(lo, hi - 1, max_count).astype(int)
         out = []
         for i in picks:
-            start = self.n - self._sa[int(i)]  # forward index just after the match
-            cont = self.tokens[start : start + length].tolist()
+            end = self._sa[int(i)]  # the match starts here in the reversed sequence; what follows
+            cont = self.rev[max(0, end - length) : end][::-1].tolist()  # it lies just before, backwards
             if SEP in cont:
                 cont = cont[: cont.index(SEP)]
             if cont:
