@@ -44,6 +44,7 @@ class Run:
     passes: int = 0
     accepted: int = 0
     draft_s: float = 0.0
+    verify_s: float = 0.0  # forward passes (the rest of a step: accept, rollback, bookkeeping)
 
 
 def column_of(category: str) -> str:
@@ -97,6 +98,7 @@ def run_engine(session: Session, drafter, prompt: Prompt, max_tokens: int, label
         run.passes += eng.stats.passes
         run.accepted += eng.stats.accepted
         run.draft_s += eng.stats.draft_s
+        run.verify_s += eng.stats.verify_s
         messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
     return run
 
@@ -164,11 +166,12 @@ def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
 
 
 def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
-    """column -> drafter -> {tokens_per_s, speedup_vs_none, speedup_vs_mlx_lm, mat, draft_share, tokens}."""
-    sums: dict = defaultdict(lambda: defaultdict(lambda: np.zeros(5)))
+    """column -> drafter -> {tokens_per_s, speedup_vs_none, speedup_vs_mlx_lm, mat, draft_share,
+    draft_us_per_pass, verify_share, tokens}; shares are of the whole request's time."""
+    sums: dict = defaultdict(lambda: defaultdict(lambda: np.zeros(6)))
     for r in runs:
         for col in (r.column, "overall"):
-            sums[col][r.drafter] += [len(r.tokens), r.seconds, r.passes, r.accepted, r.draft_s]
+            sums[col][r.drafter] += [len(r.tokens), r.seconds, r.passes, r.accepted, r.draft_s, r.verify_s]
     table: dict = {}
     order = list(dict.fromkeys(r.drafter for r in runs))
     for col, per in sums.items():
@@ -178,7 +181,8 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
                           "speedup_vs_none": tps[d] / tps["none"] if tps.get("none") else float("nan"),
                           "speedup_vs_mlx_lm": tps[d] / tps[MLX_LM] if tps.get(MLX_LM) else float("nan"),
                           "mat": v[3] / v[2] if v[2] else 0.0, "draft_share": v[4] / v[1] if v[1] else 0.0,
-                          "draft_us_per_pass": 1e6 * v[4] / v[2] if v[2] else 0.0}
+                          "draft_us_per_pass": 1e6 * v[4] / v[2] if v[2] else 0.0,
+                          "verify_share": v[5] / v[1] if v[1] else 0.0}
                       for d, v in per.items()}
     return dict(sorted(table.items(), key=lambda kv: (COLUMNS + ["overall"]).index(kv[0]) if kv[0] in COLUMNS + ["overall"] else 99))
 

@@ -84,7 +84,7 @@ def handle_command(line: str, session, state: ChatState) -> str | None:
             return "no reply yet"
         return (f"{s['tokens']} tokens in {s['passes']} passes, {s['tokens_per_s']:.1f} tok/s, "
                 f"MAT {s['mat']:.2f} (speedup over plain decoding is at most ~MAT: each pass also costs a "
-                f"little more than a one-token step), drafting {1e3 * s['draft_s']:.1f} ms, "
+                f"little more than a one-token step), drafting {1e3 * s['draft_s']:.1f} ms ({s['draft_us_per_pass']:.0f} us/pass), "
                 f"prefill {s['prefill_tokens']} new / {max(s['prompt_tokens'] - 1 - s['prefill_tokens'], 0)} reused tokens")
     if cmd == "reset":
         state.messages.clear()

@@ -36,6 +36,7 @@ def test_summary_aggregates_per_column_and_overall():
     assert s["qa"]["ngram"]["speedup_vs_mlx_lm"] == 2.0 and s["qa"]["ngram"]["mat"] == 2.0
     assert s["overall"]["none"]["tokens"] == 6 and s["overall"]["ngram"]["tokens_per_s"] == 6 / 1.5
     assert abs(s["qa"]["ngram"]["draft_share"] - 0.1) < 1e-9
+    assert s["qa"]["ngram"]["draft_us_per_pass"] == pytest.approx(1e6 * 0.1 / 2)
     assert "qa" in B.format_table(s)
 
 
@@ -66,3 +67,4 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
     assert len(out) == 3 * 4 and not B.mismatches(out)
     assert {r.drafter for r in out} == {"none", "ngram", "cacheback", "mlx-lm"}
     assert all(r.tokens for r in out if r.drafter == "none")
+    assert all(0 < r.verify_s < r.seconds for r in out if r.drafter != "mlx-lm")

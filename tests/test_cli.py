@@ -30,7 +30,7 @@ def tiny_gguf(tmp_path_factory):
 def test_generate_streams_text_and_stats(tiny_gguf):
     r = cli("generate", "hello", "--model", tiny_gguf, "--raw", "--max-tokens", "8", "--stats")
     assert r.returncode == 0, r.stderr
-    assert "MAT" in r.stderr and "tok/s" in r.stderr
+    assert "MAT" in r.stderr and "tok/s" in r.stderr and "us/pass" in r.stderr
 
 
 def test_missing_model(tmp_path):
