@@ -9,6 +9,7 @@ turns of an MT-Bench question share both (turn 2 reuses turn 1's cache and draft
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -51,10 +52,13 @@ def column_of(category: str) -> str:
     return "multi-turn conversation" if category in MT_BENCH else category
 
 
-def load_prompts(sets: list[str], data: Path = DATA, per_category: int = 2, categories: list[str] | None = None) -> list[Prompt]:
-    """The first `per_category` prompts of each category (Spec-Bench categories, or 'humaneval')."""
+def load_prompts(sets: list[str], data: Path = DATA, per_category: int = 2, categories: list[str] | None = None,
+                 seed: int | None = None) -> list[Prompt]:
+    """`per_category` prompts of each category (Spec-Bench categories, or 'humaneval'): the first
+    ones, or with a seed a random sample of each category (file order kept)."""
     out: list[Prompt] = []
     seen: dict[str, int] = defaultdict(int)
+    rng = random.Random(seed)
     for name in sets:
         if name == "spec_bench":
             path = data / "spec_bench" / "question.jsonl"
@@ -66,9 +70,15 @@ def load_prompts(sets: list[str], data: Path = DATA, per_category: int = 2, cate
             items = [(r["task_id"], "humaneval", [r["prompt"]], False) for r in rows]
         else:
             raise CachebackError(f"unknown prompt set {name!r} (spec_bench, humaneval)")
+        if categories:
+            items = [it for it in items if it[1] in categories or column_of(it[1]) in categories]
+        if seed is not None:
+            by_cat = defaultdict(list)
+            for i, it in enumerate(items):
+                by_cat[it[1]].append(i)
+            picked = {i for idx in by_cat.values() for i in rng.sample(idx, min(per_category, len(idx)))}
+            items = [it for i, it in enumerate(items) if i in picked]
         for pid, cat, turns, chat in items:
-            if categories and cat not in categories and column_of(cat) not in categories:
-                continue
             if seen[cat] < per_category:
                 seen[cat] += 1
                 out.append(Prompt(pid, column_of(cat), list(turns), chat))

@@ -207,6 +207,8 @@ def build_datastore(corpus, out, model, dtype):
               help="A drafter parameter, e.g. --drafter-arg cacheback.tdl=32 (repeatable).")
 @click.option("--draft-budget", type=int, default=None, help="Draft tokens per pass (default: per backend).")
 @click.option("--warmup", default=1, show_default=True, help="Warm-up questions (outside the prompt sets, not counted), at most 2.")
+@click.option("--seed", type=int, default=None, help="Sample the prompts of each category at random with this seed "
+              "(default: the first ones).")
 @click.option("--no-mlx-lm", is_flag=True, help="Skip the plain mlx-lm baseline.")
 @click.option("--data", type=click.Path(file_okay=False), default=None, help="Folder with spec_bench/ and humaneval/.")
 @click.option("--json", "json_out", default=None, help="Write per-prompt records and the summary here.")
@@ -214,7 +216,7 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--verify-cost", is_flag=True, help="Only measure one pass over B tokens relative to one token.")
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters, drafter_args, draft_budget,
-          warmup, no_mlx_lm, data, json_out, plot_out, verify_cost):
+          warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -242,7 +244,8 @@ def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters,
         name, *variant = label.split(":")  # e.g. cacheback:frozen=false:tdl=32
         instances[label] = session.make_drafter(name, **{**params.get(name, {}), **parse_drafter_args(variant)})
     sets = [s for s in prompts.split(",") if s]
-    plist = B.load_prompts(sets, Path(data) if data else B.DATA, per_category, categories.split(",") if categories else None)
+    plist = B.load_prompts(sets, Path(data) if data else B.DATA, per_category, categories.split(",") if categories else None,
+                           seed=seed)
     if not plist:
         raise CachebackError("no prompts selected")
     runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
@@ -250,7 +253,7 @@ def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters,
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
             "draft_budget": session.engine.draft_budget, "max_tokens": max_tokens, "per_category": per_category,
-            "prompts": sets}
+            "prompts": sets, "seed": seed}
     click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
     click.echo(B.format_table(summary))
     if json_out:

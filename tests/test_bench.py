@@ -19,6 +19,11 @@ def test_spec_bench_columns_and_humaneval_prompts():
     assert len(he) == 1 and not he[0].chat and he[0].turns[0].startswith(("def", "from", "import", "\n"))
     only = B.load_prompts(["spec_bench"], per_category=3, categories=["qa"])
     assert len(only) == 3 and {p.column for p in only} == {"qa"}
+    a = B.load_prompts(["spec_bench"], per_category=3, categories=["qa", "writing"], seed=1)
+    b = B.load_prompts(["spec_bench"], per_category=3, categories=["qa", "writing"], seed=2)
+    assert len(a) == len(b) == 6 and [p.id for p in a] != [p.id for p in b]  # seeded samples differ
+    assert [p.id for p in a] == [p.id for p in B.load_prompts(["spec_bench"], per_category=3,
+                                                              categories=["qa", "writing"], seed=1)]
 
 
 def runs():
