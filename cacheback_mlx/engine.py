@@ -34,7 +34,7 @@ def default_draft_budget() -> int:
     on a GPU it is flat up to ~256 tokens (wide trees are free); on this CPU a pass of 8 tokens
     costs ~1.15x one token and 16 tokens ~1.6x, so 7 draft tokens (+ the root) is the sweet spot
     (`cacheback-mlx bench --verify-cost`; docs/BENCHMARKS.md)."""
-    return 64 if on_gpu() else 7
+    return 63 if on_gpu() else 7  # GPU: 63 + the root = 64 rows, one shape bucket (GPU_BUCKETS)
 
 
 @dataclass
