@@ -4,19 +4,23 @@ Speaks llama.cpp's /infill and /completion (llama.vim, llama.vscode, Continue, T
 /v1/completions (with `suffix` for fill-in-the-middle), /v1/chat/completions and /v1/models, plus
 /health. One Session serves every request, so the KV prefix and the drafter's tables carry over
 from request to request (repeated completions in one file get faster). One request runs on the
-model at a time; the others wait their turn. A streaming client that disconnects stops its
-generation at the next step. Bad input gets a 4xx with a JSON error, never a 5xx.
+model at a time; the others wait their turn (an asyncio lock held for the whole generation, so a
+waiting request never blocks the model's worker thread). A streaming client that disconnects stops
+its generation at the next step. Bad input gets a 4xx with a JSON error, never a 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any, Iterator, Literal
+
+import anyio
+import mlx.core as mx
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,35 +85,42 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 class Generator:
     """Runs generations one at a time on the shared Session, step by step, all on ONE worker
-    thread: MLX arrays and streams belong to the thread that made them, and the queue of that
-    single worker is also the queue of waiting requests."""
+    thread (MLX arrays and streams belong to the thread that made them). `turn` is held by the
+    request handler for a whole generation: waiting requests wait on the event loop, never on
+    the worker, so a suspended stream cannot starve the one thread that would resume it."""
 
     def __init__(self, session: Session):
         self.session = session
-        self.lock = threading.Lock()
+        self.turn = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
+    async def close(self):
+        """Free the worker's MLX streams before the thread ends: MLX needs this from any thread
+        that ran it, or the process may abort at exit ("terminate called ...", exit 134)."""
+        async with self.turn:
+            await self.call(mx.clear_streams)
+        self.worker.shutdown(wait=True)
+
     def steps(self, ids: list[int], max_tokens: int, req: Sampling) -> Iterator[tuple[str, bool]]:
-        """(text piece, finished) per step, with stop strings applied; holds the model lock."""
+        """(text piece, finished) per step, with stop strings applied; call it holding `turn`."""
         stops = [req.stop] if isinstance(req.stop, str) else [s for s in req.stop or [] if s]
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-        with self.lock:
-            text, sent = "", 0
-            for piece, _ in self.session.stream_ids(ids, max_tokens, sampling):
-                text += piece
-                cut = min((text.find(s) for s in stops if s in text), default=-1)
-                if cut >= 0:
-                    yield text[sent:cut], True
-                    return
-                keep = max((len(s) - 1 for s in stops), default=0)  # hold back a possible stop prefix
-                safe = max(len(text) - keep, sent)
-                if safe > sent:
-                    yield text[sent:safe], False
-                    sent = safe
-            yield text[sent:], True
+        text, sent = "", 0
+        for piece, _ in self.session.stream_ids(ids, max_tokens, sampling):
+            text += piece
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                yield text[sent:cut], True
+                return
+            keep = max((len(s) - 1 for s in stops), default=0)  # hold back a possible stop prefix
+            safe = max(len(text) - keep, sent)
+            if safe > sent:
+                yield text[sent:safe], False
+                sent = safe
+        yield text[sent:], True
 
     def timings(self, prompt_tokens: int) -> dict:
         s = self.session.stats
@@ -120,8 +131,14 @@ class Generator:
 
 
 def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20) -> FastAPI:
-    app = FastAPI(title="cacheback-mlx", version="0.1.0")
     gen = Generator(session)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await gen.close()
+
+    app = FastAPI(title="cacheback-mlx", version="0.1.0", lifespan=lifespan)
     model_id = session.loaded.name
 
     @app.middleware("http")
@@ -156,24 +173,27 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
         if max_tokens == 0:
             return JSONResponse(shape("", True, None) | {"timings": {}})
         if not req.stream:
-            text = await gen.call(lambda: "".join(p for p, _ in gen.steps(ids, max_tokens, req)))
-            return JSONResponse(shape(text, True, gen.timings(len(ids))))
+            async with gen.turn:
+                text = await gen.call(lambda: "".join(p for p, _ in gen.steps(ids, max_tokens, req)))
+                return JSONResponse(shape(text, True, gen.timings(len(ids))))
 
         async def events():
-            it = gen.steps(ids, max_tokens, req)
-            try:
-                while True:
-                    item = await gen.call(next, it, None)
-                    if item is None or await request.is_disconnected():
-                        break
-                    piece, done = item
-                    yield f"data: {json.dumps(shape(piece, done, gen.timings(len(ids)) if done else None))}\n\n"
-                    if done:
-                        break
-            except Exception as e:  # the response has started: report in the stream, then end it
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
-            finally:
-                await gen.call(it.close)  # releases the model lock
+            async with gen.turn:
+                it = gen.steps(ids, max_tokens, req)
+                try:
+                    while True:
+                        item = await gen.call(next, it, None)
+                        if item is None or await request.is_disconnected():
+                            break
+                        piece, done = item
+                        yield f"data: {json.dumps(shape(piece, done, gen.timings(len(ids)) if done else None))}\n\n"
+                        if done:
+                            break
+                except Exception as e:  # the response has started: report in the stream, then end it
+                    yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+                finally:
+                    with anyio.CancelScope(shield=True):  # a disconnect cancels us: still end the generation
+                        await gen.call(it.close)
             if shape is not llama_shape:
                 yield "data: [DONE]\n\n"
 

@@ -101,8 +101,9 @@ def test_build_datastore_and_use_it_with_rest(tmp_path, tiny_gguf):
     r = cli("build-datastore", str(corpus), "--out", str(out), "--model", tiny_gguf)
     assert r.returncode == 0, r.stderr
     r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "rest",
-            "--drafter-arg", f"datastore={out}")
+            "--drafter-arg", f"datastore={out}", "--stats")
     assert r.returncode == 0, r.stderr
+    assert "datastore_tokens" in r.stderr and "mean_retrieval_ms" in r.stderr
     assert_one_line_error(cli("generate", "x", "--model", tiny_gguf, "--drafter", "rest"), "build-datastore")
 
 

@@ -101,7 +101,7 @@ def test_rest_datastore_round_trip_and_errors(tmp_path):
     d = make_drafter("rest", datastore=str(tmp_path / "ds"), fingerprint="fp")
     tree = d.propose([8, 1, 2, 3], 8)
     assert list(tree.tokens[:2]) in ([4, 6], [6, 4]) and tree.depths().max() >= 2
-    assert d.stats()["tokens"] == meta["tokens"]
+    assert d.stats()["datastore_tokens"] == meta["tokens"] and d.stats()["retrievals"] == 1
     with pytest.raises(CachebackError, match="another tokenizer"):
         RestDrafter(tmp_path / "ds", fingerprint="other")
     with pytest.raises(CachebackError, match="not found"):

@@ -127,6 +127,25 @@ def test_concurrent_requests_queue_and_both_complete(tiny_server):
     assert results == [200, 200, 200]
 
 
+def test_two_streams_at_once_both_finish(tiny_server):
+    """A streaming request waits for the model between its steps; a second stream must queue
+    behind it, not wedge the single model thread."""
+    results = []
+
+    def one(prompt):
+        with httpx.stream("POST", f"{tiny_server}/completion", headers=AUTH, timeout=30,
+                          json={"prompt": prompt, "n_predict": 24, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        results.append(events[-1]["stop"])
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in ("hello", "world")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [True, True]
+
+
 def test_disconnecting_stream_frees_the_model(tiny_server):
     with httpx.stream("POST", f"{tiny_server}/completion", headers=AUTH, timeout=60,
                       json={"prompt": "hello", "n_predict": 200, "stream": True}) as r:
@@ -151,3 +170,31 @@ def test_default_model_through_the_openai_client(default_model):
     finally:
         server.should_exit = True
         thread.join(5)
+
+
+def test_served_process_exits_cleanly_after_requests(tmp_path):
+    """`cacheback-mlx serve` stopped with Ctrl-C after generating exits 0: the model thread frees
+    its MLX streams first (without that MLX can abort at exit, code 134)."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, context=256)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve", "--model", str(path),
+                             "--drafter", "ngram", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        for prompt in ("hello", "world"):
+            r = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": prompt, "n_predict": 8}, timeout=60)
+            assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
