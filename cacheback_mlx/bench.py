@@ -202,10 +202,13 @@ def format_table(summary: dict) -> str:
     width = max([7] + [len(d) for per in summary.values() for d in per])
     lines = [f"| {'column':<24} | {'drafter':<{width}} | tok/s | vs none | vs mlx-lm | MAT | draft% | draft us/pass |",
              f"|{'-' * 26}|{'-' * (width + 2)}|------:|--------:|----------:|----:|-------:|--------------:|"]
+    def ratio(x: float, w: int) -> str:
+        return f"{x:{w}.2f}x" if x == x else f"{'-':>{w + 1}}"  # NaN: that baseline was not run
+
     for col, per in summary.items():
         for d, s in per.items():
-            lines.append(f"| {col:<24} | {d:<{width}} | {s['tokens_per_s']:5.2f} | {s['speedup_vs_none']:6.2f}x "
-                         f"| {s['speedup_vs_mlx_lm']:8.2f}x | {s['mat']:4.2f} | {100 * s['draft_share']:5.1f}% "
+            lines.append(f"| {col:<24} | {d:<{width}} | {s['tokens_per_s']:5.2f} | {ratio(s['speedup_vs_none'], 6)} "
+                         f"| {ratio(s['speedup_vs_mlx_lm'], 8)} | {s['mat']:4.2f} | {100 * s['draft_share']:5.1f}% "
                          f"| {s['draft_us_per_pass']:13.0f} |")
     return "\n".join(lines)
 
@@ -226,7 +229,7 @@ def plot(summary: dict, path: str | Path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(np.arange(len(cols)) + width * (len(drafters) - 1) / 2, cols, rotation=20, ha="right")
     ax.set_ylabel("speedup vs plain decoding")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside: never over bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

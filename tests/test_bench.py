@@ -43,6 +43,8 @@ def test_summary_aggregates_per_column_and_overall():
     assert abs(s["qa"]["ngram"]["draft_share"] - 0.1) < 1e-9
     assert s["qa"]["ngram"]["draft_us_per_pass"] == pytest.approx(1e6 * 0.1 / 2)
     assert "qa" in B.format_table(s)
+    no_mlx_lm = B.format_table(B.summarize([r for r in runs() if r.drafter != "mlx-lm"]))
+    assert "nan" not in no_mlx_lm and "|         - |" in no_mlx_lm  # a baseline not run shows as "-"
 
 
 def test_a_drafter_whose_output_differs_is_reported():

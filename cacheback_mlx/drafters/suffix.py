@@ -76,17 +76,19 @@ class SuffixIndex:
         return best
 
     def continuations(self, lo: int, hi: int, length: int, max_count: int = 64) -> list[tuple[int, ...]]:
-        """The tokens after up to max_count occurrences in [lo, hi) (evenly sampled), cut at SEP."""
+        """The tokens after up to max_count occurrences in [lo, hi) (evenly sampled), cut at SEP.
+        One gather for all of them: per-occurrence slicing costs ~0.5 ms on frequent matches."""
         count = hi - lo
-        picks = range(lo, hi) if count <= max_count else np.linspace(lo, hi - 1, max_count).astype(int)
+        picks = np.arange(lo, hi) if count <= max_count else np.linspace(lo, hi - 1, max_count).astype(np.int64)
+        ends = np.asarray(self.sa[picks], dtype=np.int64)  # a match starts here in the reversed sequence;
+        where = ends[:, None] - 1 - np.arange(length)  # what follows it lies just before, backwards
+        conts = np.asarray(self.rev[np.maximum(where, 0)])
+        conts[(where < 0) | (np.cumsum(conts == SEP, axis=1) > 0)] = SEP  # cut at the text's start or a SEP
         out = []
-        for i in picks:
-            end = self._sa[int(i)]  # the match starts here in the reversed sequence; what follows
-            cont = self.rev[max(0, end - length) : end][::-1].tolist()  # it lies just before, backwards
-            if SEP in cont:
-                cont = cont[: cont.index(SEP)]
-            if cont:
-                out.append(tuple(cont))
+        for row in conts.tolist():
+            cut = row.index(SEP) if SEP in row else length
+            if cut:
+                out.append(tuple(row[:cut]))
         return out
 
 
