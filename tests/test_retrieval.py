@@ -38,8 +38,8 @@ def test_suffix_index_longest_match_and_occurrences_match_brute_force(tokens, co
         pat = list(context[-n:])
         starts = sorted(int(idx.n - 1 - idx.sa[i]) - (n - 1) for i in range(lo, hi))
         assert starts == [i for i in range(len(tokens) - n + 1) if tokens[i : i + n] == pat]
-        for cont in idx.continuations(lo, hi, 3, max_count=1000):
-            assert len(cont) <= 3
+        expected = [tuple(tokens[s + n : s + n + 3]) for s in starts if s + n < len(tokens)]
+        assert sorted(idx.continuations(lo, hi, 3, max_count=1000)) == sorted(expected)
 
 
 def test_continuations_stop_at_document_separators():
