@@ -77,7 +77,7 @@ class SuffixIndex:
 
     def continuations(self, lo: int, hi: int, length: int, max_count: int = 64) -> list[tuple[int, ...]]:
         """The tokens after up to max_count occurrences in [lo, hi) (evenly sampled), cut at SEP.
-        One gather for all of them: per-occurrence slicing costs ~0.5 ms on frequent matches."""
+        One numpy gather for all occurrences, not a Python slice per occurrence."""
         count = hi - lo
         picks = np.arange(lo, hi) if count <= max_count else np.linspace(lo, hi - 1, max_count).astype(np.int64)
         ends = np.asarray(self.sa[picks], dtype=np.int64)  # a match starts here in the reversed sequence;
