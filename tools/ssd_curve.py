@@ -83,19 +83,28 @@ def live(out: str = "docs/ssd_curve_live.png", max_tokens: int = 64, block: int 
             raise SystemExit(f"request {i}: SSD output differs from plain decoding")
         rows.append((len(outs[0]), *secs, mats[1], mats[2]))
         print(f"request {i + 1}/{len(streams)}: {rows[-1]}", file=sys.stderr)
+    report(rows, out, block)
+
+
+def report(rows: list, out: str, block: int = 8) -> None:
+    """Table and plot of the live rows, per block of requests: time ratios, so the speedup is
+    tokens/s over plain decoding on the same prompts in the same minutes."""
     xs, fresh, used = [], [], []
-    print("| requests served | fresh SSD speedup | persistent SSD speedup | fresh MAT | persistent MAT |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| requests served | tokens | fresh SSD speedup | persistent SSD speedup | persistent / fresh | fresh MAT | persistent MAT |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for start in range(0, len(rows), block):
         part = rows[start : start + block]
-        tok = sum(r[0] for r in part)
         t_none, t_fresh, t_used = (sum(r[k] for r in part) for k in (1, 2, 3))
         xs.append(start + len(part))
         fresh.append(t_none / t_fresh)
         used.append(t_none / t_used)
-        print(f"| {xs[-1]} | {fresh[-1]:.2f}x | {used[-1]:.2f}x | {sum(r[4] for r in part) / len(part):.2f} "
-              f"| {sum(r[5] for r in part) / len(part):.2f} |  ({tok} tokens)")
-    plot(out, xs, {"fresh SSD drafter per request": fresh, "one SSD drafter across requests": used},
+        print(f"| {xs[-1]} | {sum(r[0] for r in part)} | {fresh[-1]:.2f}x | {used[-1]:.2f}x | {t_fresh / t_used:.2f}x "
+              f"| {sum(r[4] for r in part) / len(part):.2f} | {sum(r[5] for r in part) / len(part):.2f} |")
+    t_none, t_fresh, t_used = (sum(r[k] for r in rows) for k in (1, 2, 3))
+    print(f"| all {len(rows)} | {sum(r[0] for r in rows)} | {t_none / t_fresh:.2f}x | {t_none / t_used:.2f}x "
+          f"| {t_fresh / t_used:.2f}x | | |")
+    plot(out, xs, {"fresh SSD drafter per request": fresh, "one SSD drafter across requests": used,
+                   "ratio (persistent / fresh)": [u / f for u, f in zip(used, fresh)]},
          "requests served (blocks of %d)" % block, "speedup vs plain decoding (live)")
 
 
