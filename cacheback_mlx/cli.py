@@ -115,9 +115,9 @@ def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_toke
                    f"({s.prefill_s:.2f}s) | {s.tokens} tokens in {s.passes} passes, MAT {s.mat:.2f} | "
                    f"{s.tokens_per_s:.1f} tok/s | drafting {s.draft_s * 1e3:.1f} ms "
                    f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%, {s.draft_us_per_pass:.0f} us/pass)", err=True)
-        drafter_stats = getattr(session.engine.drafter, "stats", None)  # e.g. REST's datastore size
+        drafter_stats = session.engine.drafter.stats()  # e.g. REST's datastore size
         if drafter_stats:
-            click.echo(f"[{drafter}] " + ", ".join(f"{k} {v}" for k, v in drafter_stats().items()), err=True)
+            click.echo(f"[{drafter}] " + ", ".join(f"{k} {v}" for k, v in drafter_stats.items()), err=True)
 
 
 @main.command()

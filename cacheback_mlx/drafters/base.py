@@ -15,6 +15,7 @@ class Drafter:
       propose(history, budget) -> tree   each step; history[-1] is the root (last accepted token)
       observe(accepted_tokens)           after each step, with the tokens just accepted
       end_request()                      when the generation ends
+      stats() -> dict                    what the drafter wants reported (`generate --stats`)
     State persists across requests and turns until reset(), so later turns can get faster.
     """
 
@@ -32,6 +33,10 @@ class Drafter:
 
     def end_request(self) -> None:
         """A generation finished (drafters that learn across requests store it here)."""
+
+    def stats(self) -> dict:
+        """Drafter-specific figures worth reporting (e.g. a datastore's size); none by default."""
+        return {}
 
 
 class NoDrafter(Drafter):

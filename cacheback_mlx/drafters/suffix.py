@@ -84,12 +84,8 @@ class SuffixIndex:
         where = ends[:, None] - 1 - np.arange(length)  # what follows it lies just before, backwards
         conts = np.asarray(self.rev[np.maximum(where, 0)])
         conts[(where < 0) | (np.cumsum(conts == SEP, axis=1) > 0)] = SEP  # cut at the text's start or a SEP
-        out = []
-        for row in conts.tolist():
-            cut = row.index(SEP) if SEP in row else length
-            if cut:
-                out.append(tuple(row[:cut]))
-        return out
+        lengths = (conts != SEP).sum(axis=1).tolist()  # everything from the first SEP on is SEP now
+        return [tuple(row[:n]) for row, n in zip(conts.tolist(), lengths) if n]
 
 
 def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequence[float] | None = None):
