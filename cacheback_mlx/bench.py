@@ -236,21 +236,27 @@ def plot(summary: dict, path: str | Path) -> None:
 
 def verify_cost(session: Session, sizes=(1, 2, 4, 8, 16, 32, 64, 128), cached: int = 256, repeats: int = 7) -> dict[int, float]:
     """Median time of one forward pass over B tokens after `cached` cached tokens, per B (seconds)."""
+    return engine_verify_cost(session.engine, sizes, cached, repeats)
+
+
+def engine_verify_cost(eng, sizes=(1, 2, 4, 8, 16), cached: int = 256, repeats: int = 7,
+                       vocab: int | None = None) -> dict[int, float]:
+    """The same for any Engine (each pass is undone, so every pass starts from `cached` tokens)."""
     from .tree import DraftTree
     from .verify import prefill, verify_pass
 
-    eng = session.engine
+    vocab = vocab or eng.vocab_size
     eng.reset()
-    prefill(eng.model, eng.caches, list(range(100, 100 + cached)))
+    prefill(eng.model, eng.cache, [(100 + i) % vocab for i in range(cached)])
     out = {}
     for b in sizes:
         times = []
         for _ in range(repeats + 1):
+            draft = DraftTree.chain([(7 + i) % vocab for i in range(b - 1)])
             t0 = time.perf_counter()
-            mx.eval(verify_pass(eng.model, eng.caches, 5, DraftTree.chain(list(range(7, 7 + b - 1))), eng.buckets))
+            mx.eval(verify_pass(eng.model, eng.cache, [5], draft, eng.buckets))
             times.append(time.perf_counter() - t0)
-            for c in eng.caches:
-                c.offset = cached
+            eng.cache.finish_pass([], whole=False)
         out[b] = float(np.median(times[1:]))
     eng.reset()
     return out

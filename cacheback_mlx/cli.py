@@ -274,9 +274,11 @@ def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters,
 
 
 @main.command()
+@click.option("--model", "model_spec", default=None, help="Also load this model and say what the engine makes of it.")
 @user_errors
-def doctor():
-    """Show the backend, BLAS status and default settings."""
+def doctor(model_spec):
+    """Show the backend, BLAS status and default settings; with --model, the model's family, its
+    layer caches by kind and its verify path (draft trees, or chains and why)."""
     import mlx.core as mx
 
     from .engine import default_draft_budget
@@ -284,6 +286,16 @@ def doctor():
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
     click.echo(f"default draft budget: {default_draft_budget()}")
+    if model_spec is not None:
+        from .drafters.base import NoDrafter
+        from .engine import Engine
+        from .loader import load
+
+        loaded = load(model_spec)
+        info = Engine(loaded.model, [], NoDrafter(), loaded.context_length).describe()
+        click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}")
+        click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
+        click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
 
 
 if __name__ == "__main__":

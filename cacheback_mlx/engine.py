@@ -1,10 +1,15 @@
 """The speculative decoding loop, top to bottom: draft -> verify -> accept -> rollback -> update.
 
-The engine owns a model's KV cache and knows no particular drafter: any Drafter proposes a
-DraftTree, which goes through the model in one pass (verify.verify_pass); the longest root path
-whose tokens the model itself picks is accepted, plus the model's own token after it (the bonus);
-the rest of the cache is rolled back by its length counter (kvcache.keep_rows); the drafter then
+The engine owns a model's caches (kvcache.ModelCache) and knows no particular drafter: any
+Drafter proposes a DraftTree, which goes through the model in one pass (verify.verify_pass); the
+longest root path whose tokens the model itself picks is accepted, plus the model's own token after
+it (the bonus); the rest of the cache is rolled back (ModelCache.finish_pass); the drafter then
 learns the accepted tokens. A step with an empty draft is a plain one-token decoding step.
+
+Models with recurrent layers get chain drafts, and so do models with position-dependent code the
+engine cannot place in a tree (positions.py). A recurrent state cannot be cut back, so a pass on
+such a model is kept only when accepted whole; otherwise it is undone and its accepted tokens lead
+the next pass (`self.lead`), whose draft budget shrinks by as many rows.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .drafters.base import Drafter
 from .errors import CachebackError
-from .kvcache import keep_rows, make_caches, trim_to
+from .kvcache import ModelCache
+from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .tree import DraftTree
-from .verify import prefill, verify_pass
+from .verify import padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -100,6 +107,21 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
         want = picks[nxt + 1]
 
 
+def model_vocab_size(model) -> int:
+    """Rows of the model's token embedding (ids past it would read outside the table)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for v in (getattr(args, "vocab_size", None), text.get("vocab_size") if isinstance(text, dict)
+              else getattr(text, "vocab_size", None)):
+        if v:
+            return int(v)
+    sizes = [m.weight.shape[0] for _, m in model.named_modules()
+             if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    if not sizes:
+        raise CachebackError(f"{type(model).__module__}: cannot find the model's vocabulary size")
+    return int(sizes[0])
+
+
 class Engine:
     """A model with its KV cache and a drafter. Keeps the cache across calls, so a prompt that
     extends the last one (the next chat turn) only prefills its new tokens."""
@@ -111,12 +133,24 @@ class Engine:
         self.drafter = drafter
         self.context_length = context_length
         self.draft_budget = default_draft_budget() if draft_budget is None else draft_budget
-        self.buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets
-        self.caches = make_caches(model)
-        self.vocab_size = int(getattr(getattr(model, "args", None), "vocab_size", 1 << 30))
-        self.cached: list[int] = []  # tokens whose K/V are in the caches
+        self.cache = ModelCache(model)
+        unplaced = prepare_positions(model)
+        self.chain_reason = ("recurrent layers" if self.cache.recurrent else
+                             f"position-dependent code: {unplaced[0]}" if unplaced else None)
+        buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets
+        self.buckets = None if self.cache.recurrent else buckets  # padding would run the recurrence
+        self.max_branching = 1 if self.chain_reason else None  # what drafters are told
+        self.vocab_size = model_vocab_size(model)
+        self.cached: list[int] = []  # tokens whose effect is in the caches
+        self.lead: list[int] = []  # accepted tokens not yet in the caches; lead[-1] is the root
         self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
         self.stats = Stats()
+
+    def describe(self) -> dict:
+        """What this model gets: its layer caches by kind and the verify path (`doctor --model`)."""
+        verify = f"chain drafts only ({self.chain_reason})" if self.chain_reason else "draft trees"
+        return {"family": self.cache.family, "caches": self.cache.describe(), "verify": verify,
+                "shape buckets": list(self.buckets) if self.buckets else "off"}
 
     def set_drafter(self, drafter: Drafter) -> None:
         """Switch drafters; the new one learns the current sequence so it can draft at once."""
@@ -125,17 +159,18 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""
-        trim_to(self.caches, 0)
-        self.cached, self.history = [], []
+        self.cache.trim(0)
+        self.cached, self.history, self.lead = [], [], []
         self.drafter.reset()
 
     def _start(self, prompt: list[int]) -> None:
         """Prefill what the cache lacks of prompt[:-1]; prompt[-1] is the first step's root."""
         t0 = time.perf_counter()
-        keep = common_prefix(self.cached, prompt[:-1])
-        trim_to(self.caches, keep)  # also repairs a cache left ahead by an interrupted pass
-        prefill(self.model, self.caches, prompt[keep:-1])
+        self.cache.trim(len(self.cached))  # repairs a cache left ahead by an interrupted pass
+        keep = self.cache.trim(common_prefix(self.cached, prompt[:-1]))  # 0 if it cannot cut back
+        prefill(self.model, self.cache, prompt[keep:-1])
         self.cached = prompt[:-1]
+        self.lead = [prompt[-1]]
         self.stats.prefill_tokens = len(prompt) - 1 - keep
         self.stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -151,6 +186,8 @@ class Engine:
             raise CachebackError("empty prompt")
         if max_tokens <= 0:
             raise CachebackError(f"max_tokens must be > 0 (got {max_tokens})")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise CachebackError(f"prompt token ids must be in [0, {self.vocab_size}) for this model")
         if len(prompt) >= self.context_length:
             raise CachebackError(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                                  f"{self.context_length} tokens")
@@ -161,28 +198,36 @@ class Engine:
         pick = token_picker(sampling)
         self._start(prompt)
         t_start = time.perf_counter()
-        root = prompt[-1]
         try:
             while stats.tokens < max_tokens:
-                # draft
-                budget = min(self.draft_budget, max_tokens - stats.tokens - 1,
-                             self.context_length - len(self.cached) - 2)
+                # draft (the lead's extra rows come out of the budget)
+                lead = self.lead
+                budget = min(self.draft_budget - (len(lead) - 1), max_tokens - stats.tokens - 1,
+                             self.context_length - len(self.cached) - len(lead) - 1)
                 t0 = time.perf_counter()
-                tree = self.drafter.propose(self.history, budget) if budget > 0 else DraftTree.empty()
-                tree = tree.truncate(max(budget, 0)).keep_valid(self.vocab_size)
+                tree = DraftTree.empty()
+                if budget > 0:
+                    tree = self.drafter.propose(self.history, budget, max_branching=self.max_branching)
+                    tree = tree.truncate(budget).keep_valid(self.vocab_size)
+                    if self.chain_reason and not tree.is_chain():
+                        tree = tree.first_path()
                 stats.draft_s += time.perf_counter() - t0
-                # verify: root + draft in one pass
-                base = len(self.cached)
+                # verify: lead + draft in one pass
                 t0 = time.perf_counter()
-                logits = verify_pass(self.model, self.caches, root, tree, self.buckets)
+                logits = verify_pass(self.model, self.cache, lead, tree, self.buckets)
                 picks = pick(logits).tolist()
                 stats.verify_s += time.perf_counter() - t0
                 # accept the longest path the model agrees with, plus its bonus token
                 path, bonus = accept(tree, picks)
-                # rollback: keep root + accepted nodes, compacted, drop the rest
-                keep_rows(self.caches, base, [0] + [i + 1 for i in path])
                 accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
-                self.cached.extend([root] + accepted[:-1])
+                # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
+                rows = list(range(len(lead))) + [len(lead) + i for i in path]
+                whole = len(path) == len(tree) and padded_size(len(lead) + len(tree), self.buckets) == len(rows)
+                if self.cache.finish_pass(rows, whole):
+                    self.cached.extend(lead + accepted[:-1])
+                    self.lead = [bonus]
+                else:
+                    self.lead = lead + accepted
                 stats.passes += 1
                 stats.drafted += len(tree)
                 # stop at EOS or the token limit
@@ -200,7 +245,6 @@ class Engine:
                     yield out
                 if stop is not None or len(out) < len(accepted):
                     break
-                root = bonus
         finally:
             stats.decode_s = time.perf_counter() - t_start
             self.drafter.end_request()

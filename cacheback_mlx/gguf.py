@@ -1,9 +1,11 @@
-"""Llama-family GGUF files as mlx-lm models.
+"""GGUF files of the llama, qwen2, qwen3, gemma2, gemma3 and phi3 families as mlx-lm models.
 
 `mx.load(path, return_metadata=True)` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
-quantized triples (weight, scales, biases; group size 32), f16/f32 as plain arrays. We map the
-metadata to mlx-lm's llama ModelArgs and the tensor names to its module names. GGUF stores q/k
-weights in the interleaved RoPE layout, hence rope_traditional=True.
+quantized triples (weight, scales, biases; group size 32), f16/f32 as plain arrays. ARCHS maps each
+`general.architecture` to an mlx-lm model module, its tensor names and the args llama.cpp fixes for
+it. Layouts follow llama.cpp's convert_hf_to_gguf.py: only llama-family q/k are permuted to the
+interleaved RoPE layout (rope_traditional=True); the others keep the NeoX layout. Gemma norms are
+stored as (1 + w) and mlx-lm's Gemma RMSNorm adds the 1 itself, so we subtract it.
 """
 
 from __future__ import annotations
@@ -15,18 +17,36 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import llama
+from mlx_lm.models import gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
 from .errors import CachebackError
 
-LLAMA_FAMILY = ("llama", "mistral")
-
-LAYER_NAMES = {
+# GGUF block tensor -> mlx-lm module path, per family
+LLAMA_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GEMMA_NAMES = {**LLAMA_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# module, layer names, fixed args; norm_shift: norms stored as 1 + w; big: block count of the 27B
+# model, whose attention scale is 1/sqrt(hidden/heads) instead of 1/sqrt(head_dim) (llama.cpp)
+ARCHS = {
+    "llama": dict(module=llama, names=LLAMA_NAMES, args=dict(rope_traditional=True)),
+    "mistral": dict(module=llama, names=LLAMA_NAMES, args=dict(rope_traditional=True)),
+    "qwen2": dict(module=qwen2, names=LLAMA_NAMES, args={}),
+    "qwen3": dict(module=qwen3, names={**LLAMA_NAMES, **QK_NORM}, args={}),
+    "gemma2": dict(module=gemma2, names=GEMMA_NAMES, args={}, norm_shift=True, big=46),
+    # llama.cpp hard-codes gemma3's pattern (5 sliding layers, then 1 global) and local RoPE base
+    "gemma3": dict(module=gemma3_text, names={**GEMMA_NAMES, **QK_NORM}, norm_shift=True, big=62,
+                   args=dict(sliding_window_pattern=6, rope_local_base_freq=10000.0)),
+    "phi3": dict(module=phi3, names=PHI3_NAMES, args={}),
+}
 
 
 # bytes per block and values per block of ggml tensor types (for the bounds check)
@@ -134,43 +154,79 @@ def architecture(meta: dict) -> str:
     return str(meta_value(meta, "general.architecture", "unknown"))
 
 
-def model_args(meta: dict, weights: dict) -> llama.ModelArgs:
+def rope_scaling(get, weights: dict) -> dict | None:
+    """RoPE scaling as mlx-lm's config dict: phi3's long-rope factor tensors, else linear/yarn keys."""
+    if "rope_factors_long.weight" in weights:
+        short = weights.get("rope_factors_short.weight", weights["rope_factors_long.weight"])
+        return {"type": "longrope", "long_factor": weights["rope_factors_long.weight"].tolist(),
+                "short_factor": short.tolist()}
+    kind = get("rope.scaling.type")
+    if kind in (None, "none") or float(get("rope.scaling.factor", 1.0)) == 1.0:
+        return None
+    if kind not in ("linear", "yarn"):
+        raise CachebackError(f"unsupported RoPE scaling {kind!r} in GGUF metadata (supported: linear, yarn)")
+    out = {"type": kind, "factor": float(get("rope.scaling.factor"))}
+    if kind == "yarn" and get("rope.scaling.original_context_length") is not None:
+        out["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    return out
+
+
+def model_args(meta: dict, weights: dict):
+    """The mlx-lm ModelArgs of the file's family, from its metadata (llama.cpp's key names)."""
     arch = architecture(meta)
-    if arch not in LLAMA_FAMILY:
-        raise CachebackError(f"unsupported architecture {arch!r} (supported: {', '.join(LLAMA_FAMILY)})")
+    spec = ARCHS.get(arch)
+    if spec is None:
+        raise CachebackError(f"unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
+
+    def get(key, default=None):
+        return meta_value(meta, f"{arch}.{key}", default)
 
     def need(key):
-        v = meta_value(meta, f"{arch}.{key}")
+        v = get(key)
         if v is None:
             raise CachebackError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    heads = int(need("attention.head_count"))
+    hidden, heads, layers = int(need("embedding_length")), int(need("attention.head_count")), int(need("block_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
     embed_rows = (weights.get("token_embd.scales", weights.get("token_embd.weight"))).shape[0]
-    return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=int(need("embedding_length")),
-        num_hidden_layers=int(need("block_count")),
+    args = dict(
+        model_type=spec["module"].__name__.rsplit(".", 1)[-1],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         intermediate_size=int(need("feed_forward_length")),
         num_attention_heads=heads,
-        num_key_value_heads=int(meta_value(meta, f"{arch}.attention.head_count_kv", heads)),
-        rms_norm_eps=float(meta_value(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=int(meta_value(meta, f"{arch}.vocab_size", embed_rows)),
-        rope_theta=float(meta_value(meta, f"{arch}.rope.freq_base", 10000.0)),
-        rope_traditional=True,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=int(get("vocab_size", embed_rows)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling(get, weights),
+        partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
         tie_word_embeddings="output.weight" not in weights,
-        max_position_embeddings=int(meta_value(meta, f"{arch}.context_length", 4096)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        query_pre_attn_scalar=hidden / heads if layers == spec.get("big") else head_dim,
     )
+    # keys the converter writes only when set: leave the others to the module's defaults
+    optional = {"sliding_window": "attention.sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                "final_logit_softcapping": "final_logit_softcapping",
+                "original_max_position_embeddings": "rope.scaling.original_context_length"}
+    args.update({k: get(key) for k, key in optional.items() if get(key) is not None})
+    args.update(spec["args"])
+    if arch == "gemma3" and args.get("final_logit_softcapping"):
+        raise CachebackError("gemma3 final_logit_softcapping is not supported (mlx-lm's gemma3_text has none)")
+    return spec["module"].ModelArgs.from_dict(args)  # keeps the fields this family's args have
 
 
-def mlx_name(gguf_name: str) -> str:
-    stem, kind = gguf_name.rsplit(".", 1)  # kind: weight / scales / biases
+def mlx_name(gguf_name: str, arch: str) -> str:
+    stem, kind = gguf_name.rsplit(".", 1)  # kind: weight / scales / biases / bias
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{kind}"
+    names = ARCHS[arch]["names"]
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{kind}"
-    raise CachebackError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+    raise CachebackError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
 
 def quant_bits(weight: mx.array, scales: mx.array, group_size: int = 32) -> int:
@@ -180,11 +236,21 @@ def quant_bits(weight: mx.array, scales: mx.array, group_size: int = 32) -> int:
 
 
 def load_gguf_model(path: str | Path, dtype: str) -> tuple[nn.Module, dict]:
-    """An mlx-lm llama Model with the file's weights, in `dtype` ("native" keeps quantization)."""
+    """An mlx-lm Model of the file's family with its weights, in `dtype` ("native" keeps quantization)."""
     weights, meta = read_gguf(path)
     args = model_args(meta, weights)
-    model = llama.Model(args)
-    named = {mlx_name(k): v for k, v in weights.items()}
+    arch = architecture(meta)
+    model = ARCHS[arch]["module"].Model(args)
+    shift = ARCHS[arch].get("norm_shift", False)
+    named = {}
+    for k, v in weights.items():
+        if k.startswith("rope_factors_"):  # phi3 long-rope factors, already in args.rope_scaling
+            continue
+        if shift and k.rsplit(".", 1)[0].endswith("norm"):
+            v = v.astype(mx.float32) - 1.0
+        named[mlx_name(k, arch)] = v
+    if hasattr(model, "sanitize"):  # drops lm_head when tied (gemma3_text removes the module too)
+        named = model.sanitize(named)
     quantized = {k[: -len(".scales")] for k in named if k.endswith(".scales")}
     if dtype == "native":
         bits = {p: quant_bits(named[p + ".weight"], named[p + ".scales"]) for p in quantized}
@@ -201,6 +267,6 @@ def load_gguf_model(path: str | Path, dtype: str) -> tuple[nn.Module, dict]:
     try:
         model.load_weights(list(named.items()), strict=True)
     except ValueError as e:
-        raise CachebackError(f"GGUF tensors do not match a llama model: {str(e).splitlines()[0]}") from None
+        raise CachebackError(f"GGUF tensors do not match a {arch} model: {str(e).splitlines()[0]}") from None
     mx.eval(model.parameters())
     return model, meta

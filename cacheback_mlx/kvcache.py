@@ -1,92 +1,241 @@
-"""KV cache for speculative steps: mlx-lm's KVCache, a tree mask hook, rollback by length counter.
+"""The model's own caches, each kind wrapped so a speculative pass can be undone.
 
-Rejected drafts are dropped by moving the cache's offset back; nothing is zeroed, since the next
-pass overwrites those slots. For a tree, the accepted path's K/V rows are first copied into
-contiguous slots right after the cached prefix.
+A model's caches come from its own `make_cache()` (mlx-lm's `make_prompt_cache`), so sliding-window
+layers, layers that share another layer's K/V (no cache of their own) and recurrent layers get
+what the model expects. `wrap` is the one place that decides how each kind is wrapped:
+
+  KVCache          -> TreeKVCache: rollback by length counter, tree masks
+  RotatingKVCache  -> WindowKVCache: keeps the window plus some slack (evicted in chunks), so a
+                      rejected pass never needs an evicted entry; masks honour the layer's window
+                      measured from each row's own position
+  ArraysCache      -> RecurrentCache: a snapshot before each pass; a recurrent state cannot be
+                      shortened, so a pass not accepted whole is undone from the snapshot and its
+                      accepted tokens are fed again at the head of the next pass (engine.py)
+  CacheList        -> the same list of wrapped caches
+Any other kind (quantized, chunked, rotating with `keep`) is refused with a one-line error.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+
+from .errors import CachebackError
+from .positions import TreePass, attach_tree_pass, model_family
 
 
-class TreePass:
-    """Per-pass tree layout shared by a model's RoPE wrappers and its caches (None = plain pass)."""
-
-    def __init__(self):
-        self.depths: mx.array | None = None  # [T] int32, position = cache offset + depth
-        self.mask: mx.array | None = None  # [T, offset + T] bool, True = may attend
+def pass_mask(tp: TreePass, offset: int, start: int, n: int, window: int | None) -> mx.array:
+    """[n, offset - start + n] bool: which cached slots (positions start..offset-1) and which rows
+    of this pass each row may attend to. A row's position is offset + tp.rel[row] (a chain:
+    offset + row); with a window W it sees only keys less than W positions back."""
+    rel = tp.rel if tp.rel is not None else mx.arange(n, dtype=mx.int32)
+    in_pass = tp.in_pass if tp.in_pass is not None else mx.tril(mx.ones((n, n), dtype=mx.bool_))
+    cached = offset - start
+    if window is None:
+        seen = mx.ones((n, cached), dtype=mx.bool_)
+    else:
+        back = (offset + rel)[:, None] - mx.arange(start, offset, dtype=mx.int32)[None]
+        seen = back < window
+        in_pass = in_pass & ((rel[:, None] - rel[None]) < window)
+    return mx.concatenate([seen, in_pass], axis=1)
 
 
 class TreeKVCache(KVCache):
-    """A KVCache whose attention mask comes from the current TreePass when one is set."""
+    """mlx-lm's KVCache; masks come from the current TreePass while one is set."""
+
+    start = 0  # absolute position of the first stored slot (a full cache never evicts)
 
     def __init__(self, tree_pass: TreePass):
         super().__init__()
         self.tree_pass = tree_pass
 
-    def make_mask(self, *args, **kwargs):
-        if self.tree_pass.mask is not None:
-            return self.tree_pass.mask
-        return super().make_mask(*args, **kwargs)
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        tp = self.tree_pass
+        if tp.rel is None and (window_size is None or self.offset + N <= window_size):
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        return pass_mask(tp, self.offset, self.start, N, window_size)
+
+    def can_trim_to(self, length: int) -> bool:
+        return True
+
+    def trim_to(self, length: int) -> None:
+        self.offset = min(self.offset, length)
+
+    def move_rows(self, src: mx.array, dst: mx.array) -> None:
+        """Copy the K/V at absolute positions src to positions dst."""
+        self.keys[..., dst - self.start, :] = self.keys[..., src - self.start, :]
+        self.values[..., dst - self.start, :] = self.values[..., src - self.start, :]
+
+    def clear(self) -> None:
+        self.keys = self.values = None
+        self.offset = 0
 
 
-class TreeRoPE(nn.Module):
-    """Wraps a model's RoPE so each tree token gets its own position (cache offset + depth).
+class WindowKVCache(TreeKVCache):
+    """A sliding-window layer's cache that can roll back: it keeps at least the last window - 1
+    positions before the next pass, and evicts older ones only once `slack` have piled up, so
+    trimming back a rejected pass (or a little more) never needs an evicted entry."""
 
-    mx.fast.rope takes one offset per batch row, so the T tokens of a pass are laid out as T rows
-    of one token each: [1, H, T, D] -> [T, H, 1, D] -> rope with offsets -> back.
-    """
+    def __init__(self, tree_pass: TreePass, window: int, slack: int = 256):
+        super().__init__(tree_pass)
+        self.window = window
+        self.slack = slack
+        self.start = 0
 
-    def __init__(self, inner: nn.Module, tree_pass: TreePass):
-        super().__init__()
-        self.inner = inner
-        self.tree_pass = tree_pass
+    def evict(self) -> None:
+        """Before a pass (never inside one: its mask was made for the slots as they were)."""
+        used = self.offset - self.start
+        if used > self.window - 1 + self.slack:  # keep the last window - 1 positions
+            cut = used - (self.window - 1)
+            self.keys = self.keys[..., cut:used, :]
+            self.values = self.values[..., cut:used, :]
+            self.start += cut
 
-    def __call__(self, x, offset=0):
-        depths = self.tree_pass.depths
-        if depths is None:
-            return self.inner(x, offset=offset)
-        rows = x.transpose(2, 1, 0, 3)
-        return self.inner(rows, offset=offset + depths).transpose(2, 1, 0, 3)
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        used = self.offset - self.start
+        if self.keys is None or used + n > self.keys.shape[2]:
+            grow = ((n + self.step - 1) // self.step) * self.step
+            B, H, _, dk = keys.shape
+            new_k = mx.zeros((B, H, grow, dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys[..., :used, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :used, :], new_v], axis=2)
+        self.keys[..., used : used + n, :] = keys
+        self.values[..., used : used + n, :] = values
+        self.offset += n
+        return self.keys[..., : used + n, :], self.values[..., : used + n, :]
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        window = min(window_size or self.window, self.window)
+        if self.tree_pass.rel is None and self.offset + N - self.start <= window:
+            return "causal" if N > 1 else None  # every stored key is inside every row's window
+        return pass_mask(self.tree_pass, self.offset, self.start, N, window)
+
+    def can_trim_to(self, length: int) -> bool:
+        return length >= self.offset or self.start == 0 or length - (self.window - 1) >= self.start
+
+    def clear(self) -> None:
+        super().clear()
+        self.start = 0
 
 
-def attach_tree_pass(model: nn.Module) -> TreePass:
-    """Install TreeRoPE on every attention layer of an mlx-lm model (once) and return its TreePass."""
-    existing = getattr(model, "_cacheback_tree_pass", None)
-    if existing is not None:
-        return existing
-    tree_pass = TreePass()
-    for layer in model.layers:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-        if attn is None or not hasattr(attn, "rope"):
-            raise ValueError(f"{type(model).__module__}: attention layer without a rope module")
-        attn.rope = TreeRoPE(attn.rope, tree_pass)
-    object.__setattr__(model, "_cacheback_tree_pass", tree_pass)
-    return tree_pass
+class RecurrentCache(ArraysCache):
+    """mlx-lm's ArraysCache (conv and SSM / gated-delta states) with a snapshot to undo a pass."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.saved: list | None = None
+
+    def snapshot(self) -> None:
+        self.saved = list(self.cache)  # MLX arrays are immutable: keeping references is enough
+
+    def restore(self) -> None:
+        self.cache = list(self.saved)
+
+    def clear(self) -> None:
+        self.cache = [None] * len(self.cache)
 
 
-def make_caches(model: nn.Module) -> list[TreeKVCache]:
-    tree_pass = attach_tree_pass(model)
-    return [TreeKVCache(tree_pass) for _ in model.layers]
+def wrap(cache, tree_pass: TreePass, family: str):
+    """The one place that decides how each kind of layer cache is wrapped."""
+    kind = type(cache)
+    if kind is KVCache:
+        return TreeKVCache(tree_pass)
+    if kind is RotatingKVCache and cache.keep == 0:
+        return WindowKVCache(tree_pass, cache.max_size)
+    if kind is ArraysCache:
+        return RecurrentCache(len(cache.cache))
+    if kind is CacheList:
+        return CacheList(*(wrap(c, tree_pass, family) for c in cache.caches))
+    what = f"{kind.__name__}(keep={cache.keep})" if kind is RotatingKVCache else kind.__name__
+    raise CachebackError(f"{family}: layer cache {what} is not supported for exact speculative decoding")
 
 
-def trim_to(caches: list[TreeKVCache], length: int) -> None:
-    """Drop everything after the first `length` cached tokens."""
+def _leaves(caches):
     for c in caches:
-        c.offset = min(c.offset, length)
+        if isinstance(c, CacheList):
+            yield from _leaves(c.caches)
+        elif c is not None:
+            yield c
 
 
-def keep_rows(caches: list[TreeKVCache], base: int, rows: list[int]) -> None:
-    """After a pass that wrote rows base.. of each cache, keep only `rows` (relative to base),
-    compacted into base, base+1, ...; the rest are rolled back."""
-    n = len(rows)
-    if rows != list(range(n)):
-        src = mx.array([base + r for r in rows], dtype=mx.int32)
-        dst = mx.arange(base, base + n, dtype=mx.int32)
-        for c in caches:
-            c.keys[..., dst, :] = c.keys[..., src, :]
-            c.values[..., dst, :] = c.values[..., src, :]
-    trim_to(caches, base + n)
+class ModelCache:
+    """All of a model's wrapped caches, and what a pass needs of them: the cached length, a
+    snapshot before a pass, keeping the accepted rows after it, trimming to a shared prefix."""
+
+    def __init__(self, model: nn.Module):
+        self.family = model_family(model)
+        self.tree_pass = attach_tree_pass(model)
+        raw = make_prompt_cache(model)
+        self.layers = [wrap(c, self.tree_pass, self.family) for c in raw]
+        leaves = list(_leaves(self.layers))
+        self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
+        self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
+        self.shared_layers = max(len(getattr(model, "layers", raw)) - len(raw), 0)
+        self.length = 0  # tokens whose effect is in every cache
+
+    def describe(self) -> dict[str, int]:
+        """How many layer caches of each kind (for `doctor --model`)."""
+        out: dict[str, int] = {}
+        for c in _leaves(self.layers):
+            name = f"{type(c).__name__}(window={c.window})" if isinstance(c, WindowKVCache) else type(c).__name__
+            out[name] = out.get(name, 0) + 1
+        if self.shared_layers:  # K/V shared with an earlier layer, or no attention at all
+            out["layers without a cache of their own"] = self.shared_layers
+        return out
+
+    def arrays(self) -> list:
+        out = [a for c in self.kv for a in (c.keys, c.values) if a is not None]
+        return out + [a for c in self.recurrent for a in c.cache if a is not None]
+
+    def trim(self, length: int) -> int:
+        """Keep the first `length` tokens if every cache can; else empty everything. Returns the
+        length kept (a caller prefills from there)."""
+        length = min(length, self.length)
+        if length < self.length and (self.recurrent or not all(c.can_trim_to(length) for c in self.kv)):
+            length = 0
+        for c in self.kv:
+            c.clear() if length == 0 else c.trim_to(length)
+        if length == 0:
+            for c in self.recurrent:
+                c.clear()
+        self.length = length
+        return length
+
+    def begin_pass(self) -> None:
+        for c in self.kv:
+            if isinstance(c, WindowKVCache):
+                c.evict()
+        for c in self.recurrent:
+            c.snapshot()
+
+    def finish_pass(self, rows: list[int], whole: bool) -> bool:
+        """After a pass that wrote rows length.. of each cache, keep only `rows` (relative to the
+        old length, compacted). With recurrent layers only a pass accepted whole (`whole`: every
+        row kept, no padding) can stay; otherwise everything is undone. Returns whether kept."""
+        base = self.length
+        if self.recurrent and not whole:
+            for c in self.recurrent:
+                c.restore()
+            for c in self.kv:
+                c.trim_to(base)
+            return False
+        n = len(rows)
+        if rows != list(range(n)):
+            src = mx.array([base + r for r in rows], dtype=mx.int32)
+            dst = mx.arange(base, base + n, dtype=mx.int32)
+            for c in self.kv:
+                c.move_rows(src, dst)
+        for c in self.kv:
+            c.trim_to(base + n)
+        self.length = base + n
+        return True
+
+    def advance(self, n: int) -> None:
+        """n tokens went in whole (a prefill)."""
+        self.length += n

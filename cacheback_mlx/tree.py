@@ -79,6 +79,14 @@ class DraftTree:
         parents = np.where(self.parents[ok] < 0, -1, remap[np.maximum(self.parents[ok], 0)])
         return DraftTree(self.tokens[ok], parents)
 
+    def first_path(self) -> "DraftTree":
+        """The chain along each node's first child (drafters list the likeliest child first)."""
+        path, kids, node = [], self.children(), -1
+        while kids[node + 1]:
+            node = kids[node + 1][0]
+            path.append(int(self.tokens[node]))
+        return DraftTree.chain(path)
+
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (still a valid tree, as parents precede children)."""
         return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])

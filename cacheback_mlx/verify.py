@@ -1,10 +1,12 @@
-"""One batched forward pass over the root token and a draft tree.
+"""One batched forward pass over the uncached lead tokens and a draft tree.
 
-Input rows: row 0 is the root (the last accepted token, not yet cached), row i+1 is tree node i.
-A chain uses the model's plain causal path. A tree uses a mask where a node sees the cache, the
-root and its own ancestors, and RoPE positions cache offset + depth (kvcache.TreeRoPE).
+Input rows: first the lead, the accepted tokens not yet in the cache (usually just the root, the
+last accepted token; after an undone pass on a recurrent model, also the tokens accepted in it),
+then tree node i at row len(lead) + i. A chain uses the model's plain causal path. A tree sets the
+model's TreePass: a node sees the cache, the lead and its own ancestors, at position
+cache offset + len(lead) - 1 + depth (positions.TreeRoPE, kvcache.pass_mask).
 Passes can be padded to a few fixed sizes (`buckets`) so GPU backends compile few shapes: padded
-rows see only the cache and the root, nobody sees them, and they are rolled back with the rejects.
+rows see only the cache and the lead, nobody sees them, and they are rolled back with the rejects.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import bisect
 import mlx.core as mx
 import numpy as np
 
-from .kvcache import TreeKVCache
+from .kvcache import ModelCache
 from .tree import DraftTree
 
 
@@ -26,44 +28,54 @@ def padded_size(n: int, buckets: tuple[int, ...] | None) -> int:
     return buckets[i] if i < len(buckets) else n
 
 
-def tree_layout(tree: DraftTree, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Depths [rows] and the in-pass mask [rows, rows] for root + tree + padding."""
-    n = len(tree) + 1
-    depths = np.zeros(rows, np.int32)
-    depths[1:n] = tree.depths()
+def tree_layout(tree: DraftTree, lead: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions relative to the cache offset [rows] and the in-pass mask [rows, rows] for
+    lead + tree + padding."""
+    n = lead + len(tree)
+    rel = np.zeros(rows, np.int32)
+    rel[:lead] = np.arange(lead)
+    rel[lead:n] = lead - 1 + tree.depths()
+    rel[n:] = lead - 1
     mask = np.zeros((rows, rows), dtype=bool)
-    mask[:n, :n] = tree.ancestor_mask()
-    mask[n:, 0] = True  # padding rows see the root, so their softmax is well defined
-    return depths, mask
+    mask[:lead, :lead] = np.tril(np.ones((lead, lead), dtype=bool))
+    anc = tree.ancestor_mask()  # over (root, nodes): the root is the lead's last row
+    mask[lead:n, :lead] = True
+    mask[lead:n, lead:n] = anc[1:, 1:]
+    mask[n:, :lead] = True  # padding rows see the lead (and themselves), so softmax is defined
+    mask[np.arange(n, rows), np.arange(n, rows)] = True
+    return rel, mask
 
 
-def verify_pass(model, caches: list[TreeKVCache], root: int, tree: DraftTree,
+def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
                 buckets: tuple[int, ...] | None = None) -> mx.array:
-    """Run root + tree through the model in ONE pass; return logits [1 + len(tree), vocab].
+    """Run lead + tree through the model in ONE pass; return logits [1 + len(tree), vocab] for the
+    lead's last row (the root) and each node.
 
-    Afterwards each cache holds `rows` new entries past its old offset; the caller keeps the
-    accepted ones with kvcache.keep_rows.
-    """
-    n = len(tree) + 1
+    Afterwards each cache holds `rows` new entries past its old length; the caller keeps the
+    accepted ones with ModelCache.finish_pass."""
+    lead_n = len(lead)
+    n = lead_n + len(tree)
     rows = padded_size(n, buckets)
     tokens = np.zeros(rows, np.int32)
-    tokens[0] = root
-    tokens[1:n] = tree.tokens
-    tree_pass = caches[0].tree_pass
+    tokens[:lead_n] = lead
+    tokens[lead_n:n] = tree.tokens
+    tree_pass = cache.tree_pass
     if not tree.is_chain():
-        depths, in_pass = tree_layout(tree, rows)
-        offset = caches[0].offset
-        tree_pass.depths = mx.array(depths)
-        tree_pass.mask = mx.concatenate([mx.ones((rows, offset), dtype=mx.bool_), mx.array(in_pass)], axis=1)
+        rel, in_pass = tree_layout(tree, lead_n, rows)
+        tree_pass.set(mx.array(rel), mx.array(in_pass))
+    cache.begin_pass()
     try:
-        logits = model(mx.array(tokens)[None], cache=caches)
+        logits = model(mx.array(tokens)[None], cache=cache.layers)
     finally:
-        tree_pass.depths = tree_pass.mask = None
-    return logits[0, :n]
+        tree_pass.clear()
+    return logits[0, lead_n - 1 : n]
 
 
-def prefill(model, caches: list[TreeKVCache], tokens: list[int], chunk: int = 512) -> None:
+def prefill(model, cache: ModelCache, tokens: list[int], chunk: int = 512) -> None:
     """Put tokens into the caches (in chunks, to bound memory on long prompts)."""
     for i in range(0, len(tokens), chunk):
-        model(mx.array(tokens[i : i + chunk], dtype=mx.int32)[None], cache=caches)
-        mx.eval([c.keys for c in caches] + [c.values for c in caches])
+        part = tokens[i : i + chunk]
+        cache.begin_pass()
+        model(mx.array(part, dtype=mx.int32)[None], cache=cache.layers)
+        cache.advance(len(part))
+        mx.eval(cache.arrays())

@@ -5,11 +5,12 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
 from cacheback_mlx.engine import Engine, accept
-from cacheback_mlx.kvcache import make_caches
+from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
@@ -21,77 +22,6 @@ def run(model, drafter, prompt=PROMPT, n=40, **kw):
     eng = Engine(model, eos_ids=[], drafter=drafter, context_length=4096, **kw)
     out = [t for step in eng.generate(prompt, n) for t in step]
     return out, eng
-
-
-class OracleDrafter(Drafter):
-    """Always right: drafts the true continuation (known in advance)."""
-
-    def __init__(self, prompt, truth, extra_wrong_branches=0):
-        self.full = list(prompt) + list(truth)
-        self.branches = extra_wrong_branches
-
-    def propose(self, history, budget):
-        pos = len(history)
-        chain = self.full[pos : pos + budget]
-        if not self.branches:
-            return DraftTree.chain(chain)
-        tokens, parents = [], []
-        for i, t in enumerate(chain[: budget // (self.branches + 1)]):
-            parent = -1 if i == 0 else len(tokens) - 1  # the right node one level up
-            for b in range(self.branches):  # wrong siblings first, the right one last
-                tokens.append((t + 1 + b) % 90)
-                parents.append(parent)
-            tokens.append(t)
-            parents.append(parent)
-        return DraftTree(tokens, parents)
-
-
-class WrongDrafter(Drafter):
-    """Always wrong: drafts tokens the model never picks next."""
-
-    def __init__(self, truth_after):
-        self.truth_after = truth_after
-
-    def propose(self, history, budget):
-        nxt = self.truth_after(history)
-        return DraftTree.chain([(nxt + 1 + i) % 90 for i in range(min(budget, 5))])
-
-
-class RandomTreeDrafter(Drafter):
-    """Random trees of up to 64 nodes and depth 8, sometimes holding the true path."""
-
-    def __init__(self, prompt, truth, seed=0, vocab=90):
-        self.full = list(prompt) + list(truth)
-        self.rng = random.Random(seed)
-        self.vocab = vocab
-
-    def propose(self, history, budget):
-        n = self.rng.randint(0, min(64, budget))
-        tokens, parents, depth = [], [], []
-        for i in range(n):
-            p = self.rng.choice([-1] + [j for j in range(i) if depth[j] < 8]) if i else -1
-            d = 1 if p < 0 else depth[p] + 1
-            pos = len(history) + d - 1
-            # follow the truth along some paths so that long acceptances happen too
-            on_truth = all(tokens[a] == self.full[len(history) + depth[a] - 1] for a in self._ancestors(parents, p))
-            if on_truth and pos < len(self.full) and self.rng.random() < 0.6:
-                t = self.full[pos]
-            else:
-                t = self.rng.randrange(self.vocab)
-            if any(tokens[s] == t and parents[s] == p for s in range(i)):
-                t = (t + 1) % self.vocab  # keep siblings distinct... or not: duplicates are legal too
-            tokens.append(t)
-            parents.append(p)
-            depth.append(d)
-        return DraftTree(tokens, parents)
-
-    @staticmethod
-    def _ancestors(parents, p):
-        out = []
-        while p >= 0:
-            out.append(p)
-            p = parents[p]
-        return out
 
 
 def test_plain_engine_matches_mlx_lm_generate_step(tiny_model):
@@ -134,30 +64,30 @@ def test_rollback_offset_and_next_logits_match_a_cache_built_without_speculation
     assert out == truth
     seq = PROMPT + truth
     # the cache holds everything but the last token (the next root)
-    assert eng.caches[0].offset == len(seq) - 1 == len(eng.cached)
+    assert eng.cache.kv[0].offset == eng.cache.length == len(seq) - 1 == len(eng.cached)
     assert eng.cached == seq[:-1]
-    spec = verify_pass(tiny_model, eng.caches, seq[-1], DraftTree.empty())
-    fresh = make_caches(tiny_model)
+    spec = verify_pass(tiny_model, eng.cache, [seq[-1]], DraftTree.empty())
+    fresh = ModelCache(tiny_model)
     prefill(tiny_model, fresh, seq[:-1])
-    plain = verify_pass(tiny_model, fresh, seq[-1], DraftTree.empty())
+    plain = verify_pass(tiny_model, fresh, [seq[-1]], DraftTree.empty())
     assert np.allclose(np.array(spec), np.array(plain), atol=1e-4)
 
 
 def test_tree_pass_logits_equal_sequential_logits(tiny_model):
     """Every node's logits in a tree pass equal those of decoding its root path one by one."""
-    caches = make_caches(tiny_model)
+    caches = ModelCache(tiny_model)
     prefill(tiny_model, caches, PROMPT[:-1])
     tree = DraftTree([7, 9, 11, 13, 7, 2], [-1, -1, 0, 0, 1, 3])
-    logits = np.array(verify_pass(tiny_model, caches, PROMPT[-1], tree))
+    logits = np.array(verify_pass(tiny_model, caches, [PROMPT[-1]], tree))
     for node in range(len(tree)):
         path, p = [], node
         while p >= 0:
             path.append(int(tree.tokens[p]))
             p = tree.parents[p]
         seq = PROMPT + path[::-1]
-        fresh = make_caches(tiny_model)
+        fresh = ModelCache(tiny_model)
         prefill(tiny_model, fresh, seq[:-1])
-        ref = np.array(verify_pass(tiny_model, fresh, seq[-1], DraftTree.empty()))
+        ref = np.array(verify_pass(tiny_model, fresh, [seq[-1]], DraftTree.empty()))
         assert np.allclose(logits[node + 1], ref[0], atol=1e-4), node
 
 
@@ -202,7 +132,7 @@ def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
         def __init__(self):
             self.rng = random.Random(0)
 
-        def propose(self, history, budget):
+        def propose(self, history, budget, max_branching=None):
             return DraftTree([3, 42, 8, 19, 17], [-1, -1, 0, 1, 1])
 
     def first_two(drafter, seed):
@@ -213,9 +143,9 @@ def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
     plain = Counter(first_two(NoDrafter(), s)[0] for s in range(n))
     spec = Counter(first_two(Likely(), 10_000 + s)[0] for s in range(n))
     # exact target distribution of the first token
-    caches = make_caches(tiny_model)
+    caches = ModelCache(tiny_model)
     prefill(tiny_model, caches, PROMPT[:-1])
-    logits = verify_pass(tiny_model, caches, PROMPT[-1], DraftTree.empty())[0] / params["temperature"]
+    logits = verify_pass(tiny_model, caches, [PROMPT[-1]], DraftTree.empty())[0] / params["temperature"]
     probs = np.array(mx.softmax(logits))
     for counts in (plain, spec):
         top = np.argsort(-probs)[:4]
@@ -229,7 +159,7 @@ def test_out_of_vocabulary_drafts_are_dropped_not_crashing(tiny_model):
     truth, _ = run(tiny_model, NoDrafter(), n=12)
 
     class Foreign(Drafter):  # e.g. a table built for another tokenizer
-        def propose(self, history, budget):
+        def propose(self, history, budget, max_branching=None):
             return DraftTree([10**6, 3, -5, 7], [-1, 0, -1, -1])
 
     out, _ = run(tiny_model, Foreign(), n=12)

@@ -12,7 +12,10 @@ class Drafter:
 
     The engine calls, in order:
       observe(prompt_tokens)             once per request/turn with the new prompt tokens
-      propose(history, budget) -> tree   each step; history[-1] is the root (last accepted token)
+      propose(history, budget, max_branching) -> tree
+                                         each step; history[-1] is the root (last accepted token);
+                                         max_branching=1 asks for a chain (models whose state
+                                         cannot branch, e.g. recurrent layers); None: any tree
       observe(accepted_tokens)           after each step, with the tokens just accepted
       end_request()                      when the generation ends
       stats() -> dict                    what the drafter wants reported (`generate --stats`)
@@ -27,8 +30,9 @@ class Drafter:
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
 
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
-        """A tree of at most `budget` draft tokens to follow history[-1]."""
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
+        """A tree of at most `budget` draft tokens to follow history[-1], with at most
+        `max_branching` children per node when that is set."""
         return DraftTree.empty()
 
     def end_request(self) -> None:

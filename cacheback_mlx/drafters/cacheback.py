@@ -93,12 +93,17 @@ class CachebackDrafter(Drafter):
     def _frozen_followers(self, leader: tuple) -> list:
         return self.frozen.get(leader)[: self.fc]
 
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         budget = min(budget, self.tdl - 1)  # TDL counts the uncached root token too
         if budget <= 0 or len(history) < self.ll:
             return DraftTree.empty()
         reserve = min(self.crt, budget * self.crt // (self.tdl - 1), budget // 2)
         trie = DraftTrie(history[len(history) - self.ll:])
+        if max_branching == 1:  # one path: the dynamic table's first followers, then the frozen one's
+            lookups = [self.dynamic.get] if self.use_dynamic else []
+            for lookup in lookups + ([self._frozen_followers] if self.frozen is not None else []):
+                trie.grow_chain(lookup, budget)
+            return trie.to_tree()
         if self.use_dynamic:
             trie.grow(self.dynamic.get, budget - reserve, budget)
         if self.frozen is not None:
@@ -166,6 +171,16 @@ class DraftTrie:
                     break
             frontier = list(ends)
             level_limit = limit
+
+    def grow_chain(self, lookup: Lookup, limit: int) -> None:
+        """Extend the deepest path by each end node's first follower, up to `limit` nodes."""
+        node = len(self.tokens) - 1
+        while len(self.tokens) < limit:
+            followers = lookup(self.leader(node))
+            end = self.add(node, followers[0], limit) if followers else None
+            if end is None or end == node:
+                return
+            node = end
 
     def to_tree(self) -> DraftTree:
         """BFS order (stable by depth), parents remapped; parents still precede children."""

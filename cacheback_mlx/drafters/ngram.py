@@ -77,7 +77,7 @@ class NGramDrafter(Drafter):
                     return entry[1]
         return None
 
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         context = list(history[-(max(self.orders) - 1):])
         draft: list[int] = []
         for _ in range(min(self.max_draft, budget)):

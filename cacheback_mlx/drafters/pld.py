@@ -29,7 +29,7 @@ class PromptLookupDrafter(Drafter):
         self._buf[self._len : self._len + n] = tokens
         self._len += n
 
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         seq = self._buf[: self._len]
         want = min(self.max_draft, budget)
         if want <= 0:

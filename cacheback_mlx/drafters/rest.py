@@ -85,13 +85,13 @@ class RestDrafter(Drafter):
         self.max_n, self.length, self.top_c, self.max_count = max_n, length, top_c, max_count
         self.retrieval_s, self.retrievals = 0.0, 0
 
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         t0 = time.perf_counter()
         n, lo, hi = self.index.longest_match(history, self.max_n)
         tree = DraftTree.empty()
         if n:
             conts = self.index.continuations(lo, hi, self.length, self.max_count)
-            tree = trie_tree(conts, min(self.top_c, budget))
+            tree = trie_tree(conts, min(self.top_c, budget), chain=max_branching == 1)
         self.retrieval_s += time.perf_counter() - t0
         self.retrievals += 1
         return tree

@@ -107,7 +107,7 @@ class SsdDrafter(Drafter):
         self._request = []
 
     # -- drafting ------------------------------------------------------------------------
-    def propose(self, history: Sequence[int], budget: int) -> DraftTree:
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         with self._lock:
             index = self.index
         conts: list[tuple[int, ...]] = []
@@ -120,7 +120,7 @@ class SsdDrafter(Drafter):
         conts = own * 4 + conts  # the request in progress is the best predictor of itself
         if not conts:
             return DraftTree.empty()
-        return trie_tree(conts, min(self.top_k, budget))
+        return trie_tree(conts, min(self.top_k, budget), chain=max_branching == 1)
 
     def _own_matches(self, history: Sequence[int], min_n: int) -> list[tuple[int, ...]]:
         """Continuations of the longest context (>= min_n tokens) found earlier in this request."""

@@ -88,10 +88,12 @@ class SuffixIndex:
         return [tuple(row[:n]) for row, n in zip(conts.tolist(), lengths) if n]
 
 
-def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequence[float] | None = None):
+def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequence[float] | None = None,
+              chain: bool = False):
     """Merge continuations into a trie weighted by how many pass through each node; keep the
     `budget` heaviest nodes (ties: shallower, then first seen; ancestors weigh at least as much as
-    descendants, so the kept set is a tree) and return them as a DraftTree in BFS order."""
+    descendants, so the kept set is a tree) and return them as a DraftTree in BFS order. With
+    `chain`, only the heaviest path (the heaviest child at each level, `budget` deep at most)."""
     from ..tree import DraftTree
 
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
@@ -115,6 +117,15 @@ def trie_tree(continuations: Sequence[Sequence[int]], budget: int, weights: Sequ
                 weight.append(0.0)
             weight[nxt] += w
             node = nxt
+    if chain:
+        path, node = [], -1
+        while len(path) < budget:
+            kids = [i for i in range(len(tokens)) if parents[i] == node]
+            if not kids:
+                break
+            node = min(kids, key=lambda i: (-weight[i], i))
+            path.append(tokens[node])
+        return DraftTree.chain(path)
     keep = heapq.nsmallest(max(budget, 0), range(len(tokens)), key=lambda i: (-weight[i], depth[i], i))
     keep.sort(key=lambda i: (depth[i], -weight[i], i))  # BFS; parents (shallower, heavier) first
     index = {old: new for new, old in enumerate(keep)}

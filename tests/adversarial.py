@@ -1,0 +1,79 @@
+"""Adversarial drafters for exactness tests: always right (chains, trees with wrong siblings),
+always wrong, and random trees that sometimes hold the true path."""
+
+import random
+
+from cacheback_mlx.drafters.base import Drafter
+from cacheback_mlx.tree import DraftTree
+
+
+class OracleDrafter(Drafter):
+    """Always right: drafts the true continuation (known in advance)."""
+
+    def __init__(self, prompt, truth, extra_wrong_branches=0):
+        self.full = list(prompt) + list(truth)
+        self.branches = extra_wrong_branches
+
+    def propose(self, history, budget, max_branching=None):
+        pos = len(history)
+        chain = self.full[pos : pos + budget]
+        if not self.branches:
+            return DraftTree.chain(chain)
+        tokens, parents = [], []
+        for i, t in enumerate(chain[: budget // (self.branches + 1)]):
+            parent = -1 if i == 0 else len(tokens) - 1  # the right node one level up
+            for b in range(self.branches):  # wrong siblings first, the right one last
+                tokens.append((t + 1 + b) % 90)
+                parents.append(parent)
+            tokens.append(t)
+            parents.append(parent)
+        return DraftTree(tokens, parents)
+
+
+class WrongDrafter(Drafter):
+    """Always wrong: drafts tokens the model never picks next."""
+
+    def __init__(self, truth_after):
+        self.truth_after = truth_after
+
+    def propose(self, history, budget, max_branching=None):
+        nxt = self.truth_after(history)
+        return DraftTree.chain([(nxt + 1 + i) % 90 for i in range(min(budget, 5))])
+
+
+class RandomTreeDrafter(Drafter):
+    """Random trees of up to 64 nodes and depth 8, sometimes holding the true path."""
+
+    def __init__(self, prompt, truth, seed=0, vocab=90):
+        self.full = list(prompt) + list(truth)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def propose(self, history, budget, max_branching=None):
+        n = self.rng.randint(0, min(64, budget))
+        tokens, parents, depth = [], [], []
+        for i in range(n):
+            p = self.rng.choice([-1] + [j for j in range(i) if depth[j] < 8]) if i else -1
+            d = 1 if p < 0 else depth[p] + 1
+            pos = len(history) + d - 1
+            # follow the truth along some paths so that long acceptances happen too
+            on_truth = all(len(history) + depth[a] - 1 < len(self.full) and tokens[a] == self.full[len(history) + depth[a] - 1]
+                           for a in self._ancestors(parents, p))
+            if on_truth and pos < len(self.full) and self.rng.random() < 0.6:
+                t = self.full[pos]
+            else:
+                t = self.rng.randrange(self.vocab)
+            if any(tokens[s] == t and parents[s] == p for s in range(i)):
+                t = (t + 1) % self.vocab  # keep siblings distinct... or not: duplicates are legal too
+            tokens.append(t)
+            parents.append(p)
+            depth.append(d)
+        return DraftTree(tokens, parents)
+
+    @staticmethod
+    def _ancestors(parents, p):
+        out = []
+        while p >= 0:
+            out.append(p)
+            p = parents[p]
+        return out

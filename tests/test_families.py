@@ -1,0 +1,215 @@
+"""The architecture zoo: every family's tiny random model, decoded by the engine with adversarial
+drafters, must give mlx-lm's own greedy tokens (generate_step with the model's own cache)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import zoo
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from cacheback_mlx.drafters.base import NoDrafter
+from cacheback_mlx.engine import Engine
+from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.kvcache import ModelCache, WindowKVCache
+from cacheback_mlx.tree import DraftTree
+from cacheback_mlx.verify import prefill, verify_pass
+
+# 24 prompt tokens + 24 generated: crosses the sliding window (8) and the position threshold (16)
+PROMPT = [(7 * i + 3) % 97 + 1 for i in range(24)]
+N = 24
+FAMILIES = list(zoo.FAMILIES)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param, zoo.tiny_model(request.param)
+
+
+def reference(model, prompt, n):
+    """mlx-lm's own greedy decoding, with the model's own caches."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def run(model, drafter, prompt=PROMPT, n=N, engine=None, **kw):
+    eng = engine or Engine(model, eos_ids=[], drafter=drafter, context_length=4096, **kw)
+    eng.drafter = drafter
+    return [t for step in eng.generate(prompt, n) for t in step], eng
+
+
+class Foreign(NoDrafter):
+    def propose(self, history, budget, max_branching=None):
+        return DraftTree([zoo.VOCAB, 3, 10**6, 7, 5], [-1, 0, -1, -1, 3])
+
+
+def test_greedy_tokens_equal_mlx_lm(family):
+    name, model = family
+    truth = reference(model, PROMPT, N)
+    assert len(set(truth)) >= 4, f"{name}: the tiny model's stream is too uniform to test anything"
+    drafters = {
+        "none": NoDrafter(),
+        "oracle-chain": OracleDrafter(PROMPT, truth),
+        "oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
+        "wrong": WrongDrafter(lambda h: (truth + [0])[len(h) - len(PROMPT)]),
+        "random-0": RandomTreeDrafter(PROMPT, truth, seed=0),
+        "random-1": RandomTreeDrafter(PROMPT, truth, seed=1),
+        "foreign": Foreign(),  # ids past the vocabulary (a table built for another tokenizer)
+    }
+    for label, d in drafters.items():
+        out, eng = run(model, d, draft_budget=16)
+        assert out == truth, (name, label)
+        assert eng.vocab_size == zoo.VOCAB, name  # out-of-vocabulary drafts are dropped
+        if label == "oracle-chain":
+            assert eng.stats.passes <= N // 3, (name, eng.stats.passes)  # it did speculate
+        if label == "wrong":
+            assert eng.stats.passes == N
+    out, _ = run(model, RandomTreeDrafter(PROMPT, truth, seed=3), draft_budget=20, buckets=(1, 2, 4, 8, 16, 32))
+    assert out == truth, (name, "buckets")
+
+
+def test_second_call_reuses_the_cache_and_a_shared_prefix_is_trimmed(family):
+    name, model = family
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
+    first, _ = run(model, RandomTreeDrafter(PROMPT, [], seed=5), n=12, engine=eng)
+    turn2 = PROMPT + first + [4, 5, 6]
+    truth2 = reference(model, turn2, 12)
+    second, _ = run(model, RandomTreeDrafter(turn2, truth2, seed=6), prompt=turn2, n=12, engine=eng)
+    assert second == truth2, name
+    assert eng.stats.prefill_tokens <= 4 + 12, name  # the new tokens (+ an undone lead), not all
+    turn3 = PROMPT[:10] + [9, 8, 7, 6] * 3  # shares only 10 tokens with what is cached
+    truth3 = reference(model, turn3, 12)
+    third, _ = run(model, RandomTreeDrafter(turn3, truth3, seed=7), prompt=turn3, n=12, engine=eng)
+    assert third == truth3, name
+
+
+def test_tree_pass_logits_equal_mlx_lm_along_each_path(family):
+    """One pass over a tree (a chain on chain-only models): each row's logits equal mlx-lm's
+    logits after feeding that row's path token by token into the model's own cache. In float64,
+    so that float32 noise (up to ~1e-3 on some tiny models) cannot hide a real difference
+    (MoE layers only run in float32: those keep a float32 tolerance)."""
+    name, _ = family
+    model = zoo.tiny_model(name)
+    model.set_dtype(mx.float64)
+    tol = 1e-6  # float64 leaves only mlx-lm's own one-token vs many-token paths (SSM scans: ~1e-7)
+    try:
+        mx.eval(model(mx.array([PROMPT[:4]])))
+    except RuntimeError:  # e.g. "[GatherMM::eval] Currently only supports float32"
+        model.set_dtype(mx.float32)
+        tol = 2e-3
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    tree = DraftTree([7, 9, 11, 13, 7, 2, 5], [-1, -1, 0, 0, 1, 3, 5])
+    if eng.chain_reason:
+        tree = DraftTree.chain([7, 11, 2, 13, 5])
+    cache = ModelCache(model)
+    prefill(model, cache, PROMPT[:-1])
+    logits = np.array(verify_pass(model, cache, [PROMPT[-1]], tree))
+    for row in range(len(tree) + 1):
+        path, p = [], row - 1
+        while p >= 0:
+            path.append(int(tree.tokens[p]))
+            p = tree.parents[p]
+        ref_cache = make_prompt_cache(model)
+        model(mx.array([PROMPT[:-1]]), cache=ref_cache)
+        for t in [PROMPT[-1]] + path[::-1]:
+            ref = model(mx.array([[t]]), cache=ref_cache)[0, -1]
+        ref = np.array(ref)
+        err = np.abs(logits[row] - ref).max()
+        assert err <= tol * max(1.0, np.abs(ref).max()), (name, row, err)
+
+
+def test_window_caches_evict_and_still_roll_back():
+    """Sliding layers evict old entries (slack 3 here) and stay exact, across reuse and trims
+    that reach behind the evicted part (which then re-prefill)."""
+    model = zoo.tiny_model("gemma3_text")
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
+    windows = [c for c in eng.cache.kv if isinstance(c, WindowKVCache)]
+    assert windows
+    for c in windows:
+        c.slack = 3
+    truth = reference(model, PROMPT, 32)
+    out, _ = run(model, RandomTreeDrafter(PROMPT, truth, seed=2), n=32, engine=eng)
+    assert out == truth
+    assert all(c.start > 0 and c.offset - c.start <= c.window - 1 + c.slack + 13 for c in windows)
+    turn = PROMPT[:12] + [3, 1, 4, 1, 5]
+    assert eng.cache.trim(12) == 0  # behind the evicted entries: must start over
+    out, _ = run(model, RandomTreeDrafter(turn, reference(model, turn, 16), seed=4), prompt=turn, n=16, engine=eng)
+    assert out == reference(model, turn, 16)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
+def test_every_registered_drafter_is_lossless_on_sliding_and_hybrid_families(name, tmp_path):
+    from cacheback_mlx.drafters import drafter_names, make_drafter
+    from cacheback_mlx.drafters.rest import save_datastore
+
+    model = zoo.tiny_model(name)
+    prompt = PROMPT[:12] * 3  # repetition gives the drafters something to find
+    truth = reference(model, prompt, 32)
+    save_datastore([prompt + truth[:16], truth], tmp_path / "rest")
+    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")}}
+    for d in drafter_names():
+        out, eng = run(model, make_drafter(d, **params.get(d, {})), prompt=prompt, n=32, draft_budget=16)
+        assert out == truth, (name, d)
+
+
+def test_hybrid_models_get_chains_and_drafters_are_told():
+    seen = []
+
+    class Spy(NoDrafter):
+        def propose(self, history, budget, max_branching=None):
+            seen.append(max_branching)
+            return DraftTree([1, 2, 3], [-1, -1, 0])  # a tree: the engine must cut it to a chain
+
+    model = zoo.tiny_model("qwen3_next")
+    eng = Engine(model, eos_ids=[], drafter=Spy(), context_length=4096)
+    assert eng.chain_reason == "recurrent layers" and eng.max_branching == 1
+    assert [t for s in eng.generate(PROMPT, 6) for t in s] == reference(model, PROMPT, 6)
+    assert seen and set(seen) == {1}
+    assert "RecurrentCache" in eng.describe()["caches"]
+
+
+def test_unsupported_cache_kinds_get_a_one_line_error():
+    model = zoo.tiny_model("llama")
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model.make_cache = lambda: [QuantizedKVCache() for _ in model.layers]
+    with pytest.raises(CachebackError) as e:
+        Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert "QuantizedKVCache" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    from conftest import write_tiny_gguf
+
+    from cacheback_mlx.loader import load
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tiny_gguf(d / "t.gguf")
+    load(d / "t.gguf").tokenizer._tokenizer.save_pretrained(d / "files")
+    return d / "files"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mlx_lm_folder_of_every_family_loads_and_doctor_names_its_caches(name, tmp_path, tokenizer_files):
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+    from mlx.utils import tree_flatten
+
+    from cacheback_mlx.cli import main
+    from cacheback_mlx.loader import load
+
+    model = zoo.tiny_model(name)
+    folder = tmp_path / name
+    shutil.copytree(tokenizer_files, folder)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(zoo.FAMILIES[name]))
+    loaded = load(str(folder), dtype="float32")
+    x = mx.array([PROMPT])
+    assert np.allclose(np.array(loaded.model(x)), np.array(model(x)), atol=1e-4), name
+    result = CliRunner().invoke(main, ["doctor", "--model", str(folder)])
+    assert result.exit_code == 0, result.output
+    caches = Engine(model, [], NoDrafter(), 4096).describe()["caches"]
+    assert all(f"{k} x{v}" in result.output for k, v in caches.items()), result.output
