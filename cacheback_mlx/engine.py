@@ -54,6 +54,7 @@ class Stats:
     accepted: int = 0  # tokens the passes produced, a final EOS included
     passes: int = 0  # verify (forward) passes after prefill
     drafted: int = 0  # draft tokens sent for verification
+    undone: int = 0  # passes undone whole (recurrent models: their accepted tokens lead the next pass)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # time of all steps, drafting included
     draft_s: float = 0.0  # time inside the drafter (propose + observe)
@@ -228,6 +229,7 @@ class Engine:
                     self.lead = [bonus]
                 else:
                     self.lead = lead + accepted
+                    stats.undone += 1
                 stats.passes += 1
                 stats.drafted += len(tree)
                 # stop at EOS or the token limit

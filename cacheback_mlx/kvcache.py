@@ -178,6 +178,7 @@ class ModelCache:
         self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
         self.shared_layers = max(len(getattr(model, "layers", raw)) - len(raw), 0)
         self.length = 0  # tokens whose effect is in every cache
+        self.in_pass = False  # a pass began and was not finished (interrupted)
 
     def describe(self) -> dict[str, int]:
         """How many layer caches of each kind (for `doctor --model`)."""
@@ -196,6 +197,10 @@ class ModelCache:
     def trim(self, length: int) -> int:
         """Keep the first `length` tokens if every cache can; else empty everything. Returns the
         length kept (a caller prefills from there)."""
+        if self.in_pass:  # an interrupted pass may have moved the recurrent states: undo it
+            for c in self.recurrent:
+                c.restore()
+            self.in_pass = False
         length = min(length, self.length)
         if length < self.length and (self.recurrent or not all(c.can_trim_to(length) for c in self.kv)):
             length = 0
@@ -208,6 +213,7 @@ class ModelCache:
         return length
 
     def begin_pass(self) -> None:
+        self.in_pass = True
         for c in self.kv:
             if isinstance(c, WindowKVCache):
                 c.evict()
@@ -219,6 +225,7 @@ class ModelCache:
         old length, compacted). With recurrent layers only a pass accepted whole (`whole`: every
         row kept, no padding) can stay; otherwise everything is undone. Returns whether kept."""
         base = self.length
+        self.in_pass = False
         if self.recurrent and not whole:
             for c in self.recurrent:
                 c.restore()
@@ -239,3 +246,4 @@ class ModelCache:
     def advance(self, n: int) -> None:
         """n tokens went in whole (a prefill)."""
         self.length += n
+        self.in_pass = False

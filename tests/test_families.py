@@ -213,3 +213,14 @@ def test_mlx_lm_folder_of_every_family_loads_and_doctor_names_its_caches(name, t
     assert result.exit_code == 0, result.output
     caches = Engine(model, [], NoDrafter(), 4096).describe()["caches"]
     assert all(f"{k} x{v}" in result.output for k, v in caches.items()), result.output
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text", "falcon_h1"])
+def test_a_pass_interrupted_before_its_rollback_is_repaired_by_the_next_call(name):
+    model = zoo.tiny_model(name)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    first = [t for s in eng.generate(PROMPT, 6) for t in s]
+    verify_pass(model, eng.cache, [first[-1], 3, 4], DraftTree.chain([5, 6]))  # e.g. Ctrl-C here
+    turn = PROMPT + first + [9, 10]
+    out, _ = run(model, NoDrafter(), prompt=turn, n=10, engine=eng)
+    assert out == reference(model, turn, 10)

@@ -3,7 +3,9 @@ tiny and mid-sized, on the current backend.
 
 For each model: tokens/s and MAT of each drafter against plain decoding (our engine, no draft)
 and mlx-lm's own generate_step on the same weights, every output checked against mlx-lm's tokens;
-then the cost of one verify pass over B rows relative to one row (B = 1..16).
+`oracle` (always right: the ceiling of any drafter at this budget) and `wrong` (always wrong: the
+floor) bound what a real drafter can do; then the cost of one verify pass over B rows relative to
+one row (B = 1..16).
 
     .venv/bin/python tools/family_bench.py [--models gemma3-tiny,qwen3_5-mid] [--prompts 6] [--max-tokens 96]
 
@@ -26,8 +28,10 @@ from mlx_lm.models import gemma3_text, qwen3_5
 
 from cacheback_mlx.bench import engine_verify_cost
 from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.replay import load_streams
+from cacheback_mlx.tree import DraftTree
 
 
 def gemma3(hidden, layers, heads, vocab, window):
@@ -70,6 +74,24 @@ def build(name: str, scale: float, seed: int = 0):
     return model
 
 
+class Oracle(Drafter):
+    """Knows the answer: a chain of the next `budget` true tokens (right=True), or of tokens the
+    model never picks next (right=False). The ceiling and the floor of any real drafter."""
+
+    def __init__(self, prompt, truth, right=True):
+        self.full, self.start, self.right = list(prompt) + list(truth), len(prompt), right
+
+    def propose(self, history, budget, max_branching=None):
+        nxt = self.full[len(history):len(history) + budget]
+        return DraftTree.chain(nxt if self.right else [(t + 1) % 100 for t in nxt])
+
+
+def drafter_for(name, prompt, truth):
+    if name in ("oracle", "wrong"):
+        return Oracle(prompt, truth, right=name == "oracle")
+    return make_drafter(name, **({"persist": False} if name == "ssd" else {}))
+
+
 def mlx_lm_tokens(model, prompt, n):
     t0 = time.perf_counter()
     out = []
@@ -90,7 +112,7 @@ def run_model(name, prompts, max_tokens, drafters, scale):
         rows["mlx-lm"]["tokens"] += len(ref) - 1
         rows["mlx-lm"]["s"] += s
         for d in drafters:
-            eng = Engine(model, [], make_drafter(d, **({"persist": False} if d == "ssd" else {})), 8192)
+            eng = Engine(model, [], drafter_for(d, p, ref), 8192)
             out = [t for step in eng.generate(p, max_tokens) for t in step]
             r = rows[d]
             r["exact"] &= out == ref
@@ -106,7 +128,7 @@ def run_model(name, prompts, max_tokens, drafters, scale):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gemma3-tiny,qwen3_5-tiny,gemma3-mid,qwen3_5-mid")
-    ap.add_argument("--drafters", default="none,cacheback,pld,ngram")
+    ap.add_argument("--drafters", default="none,cacheback,pld,ngram,oracle,wrong")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--scale", type=float, default=3.0)
