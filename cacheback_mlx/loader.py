@@ -89,8 +89,9 @@ def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
     try:
         model, config = load_model(path, lazy=True)
         tokenizer = load_tokenizer(path)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise CachebackError(f"cannot load model folder {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # a bad config, weights or tokenizer file: the user's input, not a bug
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CachebackError(f"cannot load model folder {path}: {first}") from None
     if dtype != "native":
         _dequantize(model)
         model.set_dtype(getattr(mx, dtype))

@@ -7,14 +7,13 @@ import pytest
 import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
-from cacheback_mlx.kvcache import ModelCache, WindowKVCache
+from cacheback_mlx.kvcache import WindowKVCache
 from cacheback_mlx.tree import DraftTree
-from cacheback_mlx.verify import prefill, verify_pass
+from cacheback_mlx.verify import verify_pass
 
 # 24 prompt tokens + 24 generated: crosses the sliding window (8) and the position threshold (16)
 PROMPT = [(7 * i + 3) % 97 + 1 for i in range(24)]
@@ -101,21 +100,7 @@ def test_tree_pass_logits_equal_mlx_lm_along_each_path(family):
     tree = DraftTree([7, 9, 11, 13, 7, 2, 5], [-1, -1, 0, 0, 1, 3, 5])
     if eng.chain_reason:
         tree = DraftTree.chain([7, 11, 2, 13, 5])
-    cache = ModelCache(model)
-    prefill(model, cache, PROMPT[:-1])
-    logits = np.array(verify_pass(model, cache, [PROMPT[-1]], tree))
-    for row in range(len(tree) + 1):
-        path, p = [], row - 1
-        while p >= 0:
-            path.append(int(tree.tokens[p]))
-            p = tree.parents[p]
-        ref_cache = make_prompt_cache(model)
-        model(mx.array([PROMPT[:-1]]), cache=ref_cache)
-        for t in [PROMPT[-1]] + path[::-1]:
-            ref = model(mx.array([[t]]), cache=ref_cache)[0, -1]
-        ref = np.array(ref)
-        err = np.abs(logits[row] - ref).max()
-        assert err <= tol * max(1.0, np.abs(ref).max()), (name, row, err)
+    assert zoo.tree_logits_error(model, tree, PROMPT) <= tol, name
 
 
 def test_window_caches_evict_and_still_roll_back():
@@ -224,3 +209,41 @@ def test_a_pass_interrupted_before_its_rollback_is_repaired_by_the_next_call(nam
     turn = PROMPT + first + [9, 10]
     out, _ = run(model, NoDrafter(), prompt=turn, n=10, engine=eng)
     assert out == reference(model, turn, 10)
+
+
+def test_a_family_the_engine_cannot_undo_is_refused_in_one_line(tmp_path, tokenizer_files):
+    """Llama 4's chunked-attention cache cannot be rolled back: `generate` and `doctor --model`
+    say so in one line and exit non-zero, and nothing is generated."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+    from mlx.utils import tree_flatten
+
+    from cacheback_mlx.cli import main
+
+    model = zoo.tiny_model("llama4")
+    folder = tmp_path / "llama4"
+    shutil.copytree(tokenizer_files, folder)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(zoo.EXTRA_FAMILIES["llama4"]))
+    for args in (["doctor", "--model", str(folder)], ["generate", "hi", "--model", str(folder), "--raw"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1, result.output
+        last = result.output.strip().splitlines()[-1]
+        assert last.startswith("error: llama4") and "ChunkedKVCache" in last, result.output
+
+
+def test_a_folder_with_an_invalid_config_gets_a_one_line_error(tmp_path, tokenizer_files):
+    import json
+    import shutil
+
+    from cacheback_mlx.loader import load
+
+    folder = tmp_path / "bad"
+    shutil.copytree(tokenizer_files, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mamba2", "hidden_size": 64, "num_heads": 3,
+                                                    "head_dim": 16, "vocab_size": 128}))
+    with pytest.raises(CachebackError) as e:
+        load(str(folder))
+    assert str(e.value).startswith("cannot load model folder") and "\n" not in str(e.value)

@@ -7,16 +7,12 @@ import pkgutil
 
 import mlx.core as mx
 import mlx_lm.models
-import numpy as np
 import zoo
-from mlx_lm.models.cache import make_prompt_cache
 
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
-from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.positions import HANDLERS, module_position_uses, source_position_uses
 from cacheback_mlx.tree import DraftTree
-from cacheback_mlx.verify import prefill, verify_pass
 
 # Families of mlx-lm 0.32 whose forward pass computes with positions in ways a tree pass cannot
 # place (they get chain drafts), reviewed by hand. A new family or a changed one makes
@@ -65,24 +61,6 @@ def test_the_detector_sees_position_code():
     assert "ministral3" in HANDLERS
 
 
-def _tree_logits_error(model, tree, prompt):
-    cache = ModelCache(model)
-    prefill(model, cache, prompt[:-1])
-    logits = np.array(verify_pass(model, cache, [prompt[-1]], tree))
-    worst = 0.0
-    for row in range(len(tree) + 1):
-        path, p = [], row - 1
-        while p >= 0:
-            path.append(int(tree.tokens[p]))
-            p = tree.parents[p]
-        ref_cache = make_prompt_cache(model)
-        model(mx.array([prompt[:-1]]), cache=ref_cache)
-        for t in [prompt[-1]] + path[::-1]:
-            ref = model(mx.array([[t]]), cache=ref_cache)[0, -1]
-        worst = max(worst, float(np.abs(logits[row] - np.array(ref)).max() / max(1.0, float(mx.abs(ref).max()))))
-    return worst
-
-
 def test_tree_rows_use_their_depth_across_a_position_threshold():
     """Ministral 3 scales attention by floor(position / 16) here. A wide tree after 28 cached
     tokens has rows 28..35 but positions 28..30: a scale taken from the row index would cross 32."""
@@ -94,10 +72,10 @@ def test_tree_rows_use_their_depth_across_a_position_threshold():
     assert eng.chain_reason is None  # the handler makes trees exact, so trees are allowed
     prompt = [(5 * i + 2) % 97 + 1 for i in range(29)]
     tree = DraftTree([3, 4, 5, 6, 7, 8, 9], [-1, -1, -1, 0, 0, 1, 1])
-    assert _tree_logits_error(model, tree, prompt) <= 1e-9
+    assert zoo.tree_logits_error(model, tree, prompt) <= 1e-9
     patched = ministral3._get_llama_4_attn_scale
     ministral3._get_llama_4_attn_scale = patched.__closure__[0].cell_contents  # the original
     try:
-        assert _tree_logits_error(model, tree, prompt) > 1e-3  # the test can see the bug
+        assert zoo.tree_logits_error(model, tree, prompt) > 1e-3  # the test can see the bug
     finally:
         ministral3._get_llama_4_attn_scale = patched

@@ -268,7 +268,7 @@ EXTRA_FAMILIES: dict[str, dict] = {
             num_key_value_heads=2, head_dim=16, attention_bias=False,
             attention_chunk_size=WINDOW, interleave_moe_layer_step=2, num_local_experts=4,
             num_experts_per_tok=1, max_position_embeddings=512, rms_norm_eps=1e-5,
-            rope_scaling=None, rope_theta=10000.0, use_qk_norm=True, attn_temperature_tuning=4,
+            rope_scaling=None, rope_theta=10000.0, use_qk_norm=True, attn_temperature_tuning=True,
             floor_scale=THRESHOLD, attn_scale=1.0,
         ),
     ),
@@ -344,3 +344,30 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def tree_logits_error(model, tree, prompt) -> float:
+    """One engine pass over `tree` after `prompt` vs mlx-lm's logits along each row's root path,
+    fed token by token into the model's own cache: the worst row's max abs difference, relative
+    to that row's largest logit (at least 1)."""
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    cache = ModelCache(model)
+    prefill(model, cache, prompt[:-1])
+    logits = np.array(verify_pass(model, cache, [prompt[-1]], tree))
+    worst = 0.0
+    for row in range(len(tree) + 1):
+        path, p = [], row - 1
+        while p >= 0:
+            path.append(int(tree.tokens[p]))
+            p = tree.parents[p]
+        ref_cache = make_prompt_cache(model)
+        model(mx.array([prompt[:-1]]), cache=ref_cache)
+        for t in [prompt[-1]] + path[::-1]:
+            ref = np.array(model(mx.array([[t]]), cache=ref_cache)[0, -1])
+        worst = max(worst, float(np.abs(logits[row] - ref).max() / max(1.0, float(np.abs(ref).max()))))
+    return worst

@@ -21,7 +21,6 @@ import time
 
 import cacheback_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, qwen3_5
