@@ -167,8 +167,8 @@ class Engine:
     def _start(self, prompt: list[int]) -> None:
         """Prefill what the cache lacks of prompt[:-1]; prompt[-1] is the first step's root."""
         t0 = time.perf_counter()
-        self.cache.trim(len(self.cached))  # repairs a cache left ahead by an interrupted pass
-        keep = self.cache.trim(common_prefix(self.cached, prompt[:-1]))  # 0 if it cannot cut back
+        # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
+        keep = self.cache.trim(common_prefix(self.cached, prompt[:-1]))
         prefill(self.model, self.cache, prompt[keep:-1])
         self.cached = prompt[:-1]
         self.lead = [prompt[-1]]

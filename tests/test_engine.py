@@ -180,3 +180,14 @@ def test_every_registered_drafter_is_lossless_on_tiny_models(tiny_model, tmp_pat
         d = make_drafter(name, **params.get(name, {}))
         out, eng = run(tiny_model, d, prompt=prompt, n=40, draft_budget=16)
         assert out == truth, name
+
+
+def test_prompt_ids_outside_the_vocabulary_get_a_one_line_error(tiny_model):
+    from cacheback_mlx.errors import CachebackError
+
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    for bad in ([5, eng.vocab_size], [-1, 5]):
+        with pytest.raises(CachebackError) as e:
+            list(eng.generate(bad, 4))
+        assert str(e.value).startswith("prompt token ids must be in [0, ") and "\n" not in str(e.value)
+    assert [t for s in eng.generate(PROMPT, 4) for t in s] == run(tiny_model, NoDrafter(), n=4)[0]
