@@ -79,12 +79,13 @@ class Session:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int = 256,
-                   sampling: SamplingParams = SamplingParams()) -> Iterator[tuple[str, list[int]]]:
-        """Yield (text piece, tokens) per step; the text pieces join into the full output."""
+    def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+                   context: Sequence[int] = ()) -> Iterator[tuple[str, list[int]]]:
+        """Yield (text piece, tokens) per step; the text pieces join into the full output.
+        `context`: token ids beside the prompt the drafter may draft from (Drafter.learn)."""
         detok = self.tokenizer.detokenizer
         detok.reset()
-        for tokens in self.engine.generate(prompt_ids, max_tokens, sampling):
+        for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context):
             for t in tokens:
                 detok.add_token(t)
             yield detok.last_segment, tokens

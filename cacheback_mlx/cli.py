@@ -148,15 +148,21 @@ def chat(model, dtype, drafter, draft_budget, drafter_args, system, max_tokens, 
 @drafter_option
 @click.option("--api-key", default=None, envvar="CACHEBACK_MLX_API_KEY", help="Require Authorization: Bearer KEY.")
 @click.option("--max-body", default=1 << 20, show_default=True, help="Largest request body in bytes.")
+@click.option("--strict-infill", is_flag=True,
+              help="Answer /infill with 501 on models without FIM tokens, as llama.cpp does "
+                   "(default: complete from the prefix, reported as \"fim\": false).")
+@click.option("--batch-size", "-b", default=2048, show_default=True,
+              help="Bounds /infill prompts as llama.cpp's batch size does: prefix <= 3/4, suffix <= 1/4 of it.")
 @user_errors
-def serve(host, port, model, dtype, drafter, draft_budget, drafter_args, api_key, max_body):
-    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*."""
+def serve(host, port, model, dtype, drafter, draft_budget, drafter_args, api_key, max_body, strict_infill, batch_size):
+    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
     from .api import Session
     from .server import serve as run_server
 
     session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
-    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter})", err=True)
-    run_server(session, host, port, api_key, max_body)
+    mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
+    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
+    run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size)
 
 
 @main.command("build-table")

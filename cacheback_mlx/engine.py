@@ -158,14 +158,20 @@ class Engine:
         self.drafter = drafter
         drafter.observe(self.history)
 
+    def reset_drafter(self) -> None:
+        """A fresh drafter state; the caches stay. The drafter relearns the next prompt whole."""
+        self.drafter.reset()
+        self.history = []
+
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""
         self.cache.trim(0)
         self.cached, self.history, self.lead = [], [], []
         self.drafter.reset()
 
-    def _start(self, prompt: list[int]) -> None:
-        """Prefill what the cache lacks of prompt[:-1]; prompt[-1] is the first step's root."""
+    def _start(self, prompt: list[int], context: Sequence[int] = ()) -> None:
+        """Prefill what the cache lacks of prompt[:-1]; prompt[-1] is the first step's root.
+        `context`: text beside the prompt for the drafter to learn (Drafter.learn)."""
         t0 = time.perf_counter()
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self.cache.trim(common_prefix(self.cached, prompt[:-1]))
@@ -175,29 +181,46 @@ class Engine:
         self.stats.prefill_tokens = len(prompt) - 1 - keep
         self.stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        if context:
+            self.drafter.learn(context)
         self.drafter.observe(prompt[common_prefix(self.history, prompt):])
         self.history = list(prompt)
         self.stats.draft_s += time.perf_counter() - t0
 
-    def generate(self, prompt: Sequence[int], max_tokens: int,
-                 sampling: SamplingParams = SamplingParams()) -> Iterator[list[int]]:
-        """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens."""
+    def check(self, prompt: Sequence[int], max_tokens: int = 1) -> list[int]:
+        """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise CachebackError("empty prompt")
-        if max_tokens <= 0:
-            raise CachebackError(f"max_tokens must be > 0 (got {max_tokens})")
+        if max_tokens < 0:
+            raise CachebackError(f"max_tokens must be >= 0 (got {max_tokens})")
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise CachebackError(f"prompt token ids must be in [0, {self.vocab_size}) for this model")
         if len(prompt) >= self.context_length:
             raise CachebackError(f"prompt of {len(prompt)} tokens does not fit the model's context of "
                                  f"{self.context_length} tokens")
+        return prompt
+
+    def prefill_only(self, prompt: Sequence[int], context: Sequence[int] = ()) -> None:
+        """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
+        the next request that starts with this prompt only prefills what follows it."""
+        prompt = self.check(prompt, 0)
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self._start(prompt, context)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 context: Sequence[int] = ()) -> Iterator[list[int]]:
+        """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
+        `context`: text beside the prompt the drafter may draft from (an editor's suffix)."""
+        prompt = self.check(prompt, max_tokens)
+        if max_tokens == 0:
+            raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")
         max_tokens = min(max_tokens, self.context_length - len(prompt))
         self.stats = stats = Stats(prompt_tokens=len(prompt))
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
         pick = token_picker(sampling)
-        self._start(prompt)
+        self._start(prompt, context)
         t_start = time.perf_counter()
         try:
             while stats.tokens < max_tokens:

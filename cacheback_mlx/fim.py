@@ -1,25 +1,219 @@
-"""Fill-in-the-middle prompts from a model's FIM tokens (prefix-suffix-middle order).
+"""Editor completion prompts: /infill's pieces in, one token prompt out, with text rules for the reply.
 
-llama.cpp's /infill layout: extra context chunks (other files) first, then
-<prefix>PREFIX<suffix>SUFFIX<middle>PROMPT, where PROMPT is the text typed on the cursor line.
-With repo-level tokens, each chunk is introduced by the file separator and its file name.
+Two layouts, both with llama.cpp's /infill pieces (extra context chunks, prefix, suffix, and the
+cursor line's text before the cursor, `prompt`):
+- FIM, for models with fill-in-the-middle tokens (llama.cpp's layout): extra chunks first (each
+  after the file separator and its file name when the model has one), then
+  <prefix>PREFIX<suffix>SUFFIX<middle>PROMPT.
+- Prefix-only, for models without them (the embedded default): the extra chunks as plain text, then
+  PREFIX + PROMPT, which the model simply continues. The reply is cut at the end of the block
+  (`CompletionRules`), and where it starts to repeat the text below the cursor.
+
+Fitting the context (llama.cpp's order and ratios, batch B = 2048 by default): the suffix keeps at
+most B/4 tokens from its start (never less than the cursor line's rest), the prefix at most 3B/4
+from its end (never less than... nothing: its oldest lines go first), and the extra chunks fill
+what is left, the oldest chunks dropped first. All cuts are whole lines or whole chunks.
+
+Prefill reuse: the KV cache keeps the previous prompt, and only its common prefix with the next
+one is reused (exact: no shifted or re-rotated entries). When the editor's prefix window slides
+(a request every few lines, 256 lines above the cursor), a prefix cut at "the last N tokens" would
+start at another line each time and nothing after the extra chunks would be reused. So the prefix
+keeps the start line of the last prompt (found again by its text) for as long as the prefix from
+there fits its budget, and a new start uses only 3/4 of the budget: one full prefill every
+quarter budget of typed text instead of every request. The same text is sent to the model either
+way; only which of the sent lines above the cursor are used changes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import lru_cache
+
 from .errors import CachebackError
+
+REANCHOR = 0.75  # a new prefix start uses this share of the prefix budget, leaving room to grow
+ANCHOR_LINES = 3  # lines of text that find the last prompt's start line again
 
 
 def fim_prompt(fim: dict | None, prefix: str, suffix: str, extra: list[dict] | None = None, prompt: str = "") -> str:
+    """llama.cpp's /infill text layout, untrimmed (OpenAI `suffix`, Ollama `suffix`)."""
     if not fim:
-        raise CachebackError("this model has no fill-in-the-middle tokens; use a code model with FIM "
-                             "(e.g. --model qwen2.5-coder-0.5b) for infill")
-    parts = []
-    for chunk in extra or []:
-        text = chunk.get("text", "")
-        if fim.get("file_sep"):
-            parts.append(f"{fim['file_sep']}{chunk.get('filename', '')}\n{text}")
-        else:
-            parts.append(text)
-    parts.append(f"{fim['prefix']}{prefix}{fim['suffix']}{suffix}{fim['middle']}{prompt}")
-    return "".join(parts)
+        raise CachebackError("this model has no fill-in-the-middle tokens")
+    return extra_text(fim, extra or []) + f"{fim['prefix']}{prefix}{fim['suffix']}{suffix}{fim['middle']}{prompt}"
+
+
+def chunk_text(fim: dict | None, chunk: dict) -> str:
+    text = str(chunk.get("text") or "")
+    if fim and fim.get("file_sep"):
+        return f"{fim['file_sep']}{chunk.get('filename') or ''}\n{text}"
+    return text
+
+
+def extra_text(fim: dict | None, extra: list[dict]) -> str:
+    return "".join(chunk_text(fim, c) for c in extra)
+
+
+@dataclass
+class InfillPrompt:
+    ids: list[int]
+    fim: bool  # False: the prefix-only layout
+    truncated: bool  # some of the text sent is not in the prompt
+    rules: "CompletionRules"
+    context: list[int]  # prefix-only: the suffix's tokens, for the drafter to draft from
+
+
+@dataclass
+class InfillBuilder:
+    """Builds /infill prompts for one model and remembers where the last prefix started."""
+
+    tokenizer: object
+    fim: dict | None
+    context_length: int
+    batch: int = 2048
+    stable_prefix: bool = True  # False: always the last lines that fit (to measure what it brings)
+    anchor: list[str] = field(default_factory=list)  # first lines of the last prompt's prefix
+    last: tuple[str, str, str] | None = None  # the last request's prefix, suffix and cursor line
+
+    def __post_init__(self):
+        encode = self.tokenizer.encode
+        self.count = lru_cache(maxsize=1 << 16)(lambda text: len(encode(text, add_special_tokens=False)))
+
+    def build(self, prefix: str, suffix: str, extra: list[dict], prompt: str, n_predict: int,
+              prefix_only: bool = False) -> InfillPrompt:
+        if prefix or suffix or prompt:
+            self.last = (prefix, suffix, prompt)
+        elif self.last:  # a warm-up with extra chunks only: put them before the last request's text,
+            prefix, suffix, prompt = self.last  # which the next request will share, so it reuses both
+        use_fim = bool(self.fim) and not prefix_only
+        fim = self.fim if use_fim else None
+        room = self.context_length - 1 - min(max(n_predict, 1), self.context_length // 4)
+        specials = 4 if use_fim else 0
+        prompt_n = self.count(prompt) if prompt else 0
+        # suffix: from its start, at most B/4 tokens (the cursor line's rest always stays)
+        suffix_lines = suffix.splitlines(keepends=True)
+        suffix_budget = min(self.batch // 4, room // 4) - 2 - prompt_n
+        keep_s = fit_from_start([self.count(x) for x in suffix_lines], suffix_budget) if use_fim else 0
+        keep_s = max(keep_s, 1 if use_fim and suffix_lines else 0)
+        suffix_used = "".join(suffix_lines[:keep_s])
+        suffix_n = self.count(suffix_used) if suffix_used else 0
+        # prefix: from its end, at most 3B/4 tokens, from the last prompt's start line if it fits
+        lines = prefix.splitlines(keepends=True)
+        costs = [self.count(x) for x in lines]
+        budget = min(3 * (self.batch // 4), room - specials - prompt_n - suffix_n)
+        if budget < 0:
+            raise CachebackError(f"the cursor line and suffix do not fit the context of {self.context_length} tokens")
+        start = self._start(lines, costs, budget)
+        # extra chunks fill what is left, the oldest dropped first
+        left = room - specials - prompt_n - suffix_n - sum(costs[start:])
+        chunks = [c for c in extra if str(c.get("text") or "")]
+        costs_e = [self.count(chunk_text(fim, c)) for c in chunks]
+        first = len(chunks) - fit_from_start(costs_e[::-1], left)
+
+        def encode(start):
+            used = "".join(lines[start:])
+            body = f"{fim['prefix']}{used}{fim['suffix']}{suffix_used}{fim['middle']}{prompt}" if fim else used + prompt
+            return list(self.tokenizer.encode(extra_text(fim, chunks[first:]) + body))
+
+        ids = encode(start)
+        while len(ids) > room and start < len(lines):  # per-line counts can miss the joint count a little
+            start += 1
+            ids = encode(start)
+        if len(ids) > room or not ids:
+            raise CachebackError(f"infill prompt does not fit the context of {self.context_length} tokens")
+        self.anchor = lines[start:start + ANCHOR_LINES]
+        truncated = start > 0 or first > 0 or (use_fim and keep_s < len(suffix_lines))
+        rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix)
+        context = [] if use_fim else self.tokenizer.encode(suffix, add_special_tokens=False)[: self.batch // 4]
+        return InfillPrompt(ids, use_fim, truncated, rules, list(context))
+
+    def _start(self, lines: list[str], costs: list[int], budget: int) -> int:
+        """First prefix line to use: the last prompt's start line while the prefix from there fits."""
+        total, n = 0, len(lines)
+        if not self.stable_prefix:
+            start = n
+            while start > 0 and total + costs[start - 1] <= budget:
+                start -= 1
+                total += costs[start]
+            return start
+        if self.anchor:
+            k = len(self.anchor)
+            for i in range(n - k + 1):  # the window slid down: the old start is near the top
+                if lines[i:i + k] == self.anchor:
+                    if sum(costs[i:]) <= budget:
+                        return i
+                    break
+        target = int(REANCHOR * budget)  # room to grow before the next new start
+        start = n
+        while start > 0 and total + costs[start - 1] <= target:
+            start -= 1
+            total += costs[start]
+        return start
+
+
+def fit_from_start(costs: list[int], budget: int) -> int:
+    """How many of the first items fit in the budget."""
+    total = 0
+    for i, c in enumerate(costs):
+        total += c
+        if total > budget:
+            return i
+    return len(costs)
+
+
+def indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+@dataclass
+class CompletionRules:
+    """Where a code completion's text ends, beyond stop strings and the token limit.
+
+    n_indent (llama.cpp's): a new line indented less than this ends the completion. In the
+    prefix-only layout (block=True) the model does not see the text below the cursor, so the reply
+    also ends at a blank line after some text, at a line indented less than the block it started in,
+    at the end of the cursor line when text follows the cursor there, and before a line that repeats
+    the first line below the cursor.
+    """
+
+    block: bool = False
+    cursor_line: str = ""
+    suffix: str = ""
+    n_indent: int = 0
+
+    def __post_init__(self):
+        first, _, rest = self.suffix.partition("\n")
+        self.line_rest = first.strip()  # text after the cursor on its line
+        self.next_line = next((x.strip() for x in rest.splitlines() if x.strip()), "")
+        self.block_indent = indent_of(self.cursor_line) if self.cursor_line.strip() else None
+
+    def cut(self, text: str) -> int | None:
+        """Where to cut text (the reply so far) if it has ended; None while it goes on."""
+        lines = text.split("\n")
+        pos = 0
+        for i, line in enumerate(lines):
+            done = i < len(lines) - 1  # a line is complete once its newline is there
+            full = (self.cursor_line + line) if i == 0 else line
+            if i > 0 and line.strip():
+                if self.n_indent and indent_of(line) < self.n_indent:
+                    return pos
+                if self.block and self.block_indent is not None and indent_of(line) < self.block_indent:
+                    return pos
+            if self.block:
+                if i == 0 and self.line_rest:  # text follows the cursor: finish this line only
+                    end = line.find(self.line_rest) if line.strip() else -1
+                    if end >= 0:
+                        return pos + end
+                    if done:
+                        return pos + len(line)
+                if done and full.strip() and self.block_indent is None:
+                    self.block_indent = indent_of(full)
+                if i > 0 and done and not line.strip() and text[:pos].strip():
+                    return pos  # a blank line after some text ends the block
+                if i > 0 and done and self.next_line and line.strip() == self.next_line:
+                    return pos  # the text below the cursor starts here
+            pos += len(line) + 1
+        return None
+
+    def holds_lines(self) -> bool:
+        """Whether the last, unfinished line may still be cut (streaming holds it back)."""
+        return self.block or bool(self.n_indent)

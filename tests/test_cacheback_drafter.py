@@ -207,3 +207,13 @@ def test_replay_mat_matches_the_reference_figure():
     assert dual.draft_seconds / dual.steps < 1e-3  # propose + observe per step (~0.1 ms here)
     small = replay_all(lambda: make_drafter("cacheback"), streams, budget=7)  # the CPU engine's budget
     assert small.mat > replay_all(lambda: make_drafter("ngram"), streams, budget=7).mat
+
+
+def test_learned_context_is_drafted_from_but_is_not_history():
+    d = CachebackDrafter(frozen=False, ll=1, fl=3)
+    d.observe([1, 2])
+    d.learn([7, 8, 9, 10])  # e.g. the code below an editor's cursor
+    d.observe([3, 4])
+    assert d.dynamic.get((7,)) == [(8, 9, 10)]
+    assert d.dynamic.get((1,)) == [(2, 3, 4)]  # the sequence's windows still span the learn() call
+    assert d.dynamic.get((10,)) == []  # no window joins the context to the sequence

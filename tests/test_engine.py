@@ -10,6 +10,7 @@ from mlx_lm.generate import generate_step
 
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
 from cacheback_mlx.engine import Engine, accept
+from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tree import DraftTree
@@ -191,3 +192,17 @@ def test_prompt_ids_outside_the_vocabulary_get_a_one_line_error(tiny_model):
             list(eng.generate(bad, 4))
         assert str(e.value).startswith("prompt token ids must be in [0, ") and "\n" not in str(e.value)
     assert [t for s in eng.generate(PROMPT, 4) for t in s] == run(tiny_model, NoDrafter(), n=4)[0]
+
+
+def test_prefill_only_then_generate_reuses_it_and_stays_lossless(tiny_model):
+    """Editors' warm-ups (n_predict 0): the prompt is prefilled and nothing generated; the next
+    request that extends it computes only its new tokens, with the same output as a fresh run."""
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    eng.prefill_only(PROMPT, context=[9, 9, 9])
+    assert eng.stats.prefill_tokens == len(PROMPT) - 1 and eng.stats.tokens == 0
+    longer = PROMPT + [4, 5, 6]
+    out = [t for s in eng.generate(longer, 12) for t in s]
+    assert eng.stats.prefill_tokens == 3
+    assert out == run(tiny_model, NoDrafter(), prompt=longer, n=12)[0]
+    with pytest.raises(CachebackError, match="max_tokens"):
+        next(eng.generate(longer, 0))

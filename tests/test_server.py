@@ -10,7 +10,7 @@ import pytest
 from conftest import write_tiny_gguf
 
 from cacheback_mlx.api import Session
-from cacheback_mlx.fim import fim_prompt
+from cacheback_mlx.fim import CompletionRules, InfillBuilder, fim_prompt
 from cacheback_mlx.errors import CachebackError
 
 
@@ -67,16 +67,17 @@ def test_health_models_and_api_key(tiny_server):
 
 def test_infill_exactly_as_llama_vim_sends_it(tiny_server):
     body = {"id_slot": 0, "input_prefix": "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",
-            "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+            "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n", "time": [1732000000, 12]}],
             "prompt": "    return ", "n_predict": 12, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
             "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
             "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"]}
     r = httpx.post(f"{tiny_server}/infill", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
+    assert '"content":"' in r.text  # what llama.vim looks for before it parses a reply
     out = r.json()
-    assert isinstance(out["content"], str) and out["stop"] is True
-    assert out["timings"]["predicted_n"] <= 12 and "prompt_n" in out["timings"] and "tokens_cached" in out
+    assert set(out) == {"content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"}
+    assert isinstance(out["content"], str) and out["timings/predicted_n"] <= 12 and out["truncated"] is False
 
 
 def test_streaming_infill_and_v1_completions_with_suffix(tiny_server):
@@ -86,7 +87,7 @@ def test_streaming_infill_and_v1_completions_with_suffix(tiny_server):
     assert events and events[-1]["stop"] is True and "timings" in events[-1]
     r = httpx.post(f"{tiny_server}/v1/completions", headers=AUTH, timeout=60,
                    json={"prompt": "x = ", "suffix": "\n", "max_tokens": 6})
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     r = httpx.post(f"{tiny_server}/v1/completions", headers=AUTH, timeout=60,
                    json={"prompt": "x = ", "max_tokens": 6, "stream": True})
     assert r.text.strip().endswith("data: [DONE]")
@@ -165,8 +166,8 @@ def test_default_model_through_the_openai_client(default_model):
                                                 messages=[{"role": "user", "content": "What is the capital of France?"}])
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert "Paris" in text
-        r = httpx.post(f"{url}/infill", json={"input_prefix": "def f():", "input_suffix": ""}, timeout=30)
-        assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/infill", json={"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 16}, timeout=60)
+        assert r.status_code == 200 and r.json()["fim"] is False  # prefix-only completion
     finally:
         server.should_exit = True
         thread.join(5)
@@ -198,3 +199,107 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
         proc.kill()
+
+
+class SlowDrafter:
+    """Never drafts and takes 15 ms a step: generations long enough to time and to abandon."""
+
+    name = "slow"
+
+    def reset(self):
+        pass
+
+    def observe(self, tokens):
+        pass
+
+    def propose(self, history, budget, max_branching=None):
+        from cacheback_mlx.tree import DraftTree
+
+        time.sleep(0.015)
+        return DraftTree.empty()
+
+    def end_request(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("slow") / "slow.gguf"
+    write_tiny_gguf(path, context=4096, fim=True, hidden=256, layers=4, seed=1)
+    session = Session(str(path), "none")
+    session.engine.drafter = SlowDrafter()
+    # this prompt runs ~900 greedy tokens before EOS: ~14 s at 15 ms a step
+    session.long_prompt = "x = 1\n"
+    server, thread, url = start(session)
+    yield url, session
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_t_max_predict_ms_stops_generation_in_time(slow_server):
+    url, session = slow_server
+    body = {"prompt": session.long_prompt, "n_predict": 2000, "t_max_predict_ms": 250}
+    t0 = time.perf_counter()
+    out = httpx.post(f"{url}/completion", json=body, timeout=60).json()
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    t = out["timings"]
+    step_ms = t["predicted_ms"] / t["predicted_n"]
+    assert out["stop_type"] == "limit" and 5 < t["predicted_n"] < 100
+    assert 250 <= t["predicted_ms"] <= 250 + 2 * step_ms
+    assert wall_ms <= t["prompt_ms"] + 250 + 2 * step_ms + 150  # + HTTP and thread hand-offs
+
+
+def test_abandoned_request_frees_the_model(slow_server):
+    """llama.vim cancels its request at every keystroke: the model must not go on for a client
+    that is gone (the full generation here takes ~14 s)."""
+    url, session = slow_server
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/completion", json={"prompt": session.long_prompt, "n_predict": 2000}, timeout=0.5)
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/completion", json={"prompt": "hi", "n_predict": 2}, timeout=60)
+    assert r.status_code == 200 and time.perf_counter() - t0 < 3
+
+
+def test_llama_vim_sized_body_is_trimmed_to_fit(slow_server):
+    """llama.vim's defaults (256 prefix lines, 64 suffix lines, 16 chunks) make far more tokens
+    than the context: extra chunks go first, then the oldest prefix lines; 200, truncated.
+    (This model's tokenizer has no merges: a byte is a token, so the body is ~12k tokens.)"""
+    url, _ = slow_server
+    line = "value = compute(alpha, beta)\n"
+    body = {"input_prefix": line * 200, "input_suffix": line * 64, "prompt": "    ",
+            "input_extra": [{"text": line * 12, "filename": f"f{i}.py", "time": 5} for i in range(16)],
+            "n_predict": 4, "response_fields": ["content", "truncated", "tokens_evaluated"]}
+    assert len(json.dumps(body)) > 12000
+    r = httpx.post(f"{url}/infill", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["truncated"] is True and r.json()["tokens_evaluated"] < 4096 - 4
+
+
+def test_infill_builder_keeps_the_prefix_start_while_the_window_slides(default_model):
+    """Exact prefill reuse: while the editor's 256-line window slides down, the prompt keeps its
+    first line, so each request shares all but its last lines with the one before."""
+    tok = default_model.tokenizer
+    builder = InfillBuilder(tok, None, 8192)  # llama.cpp's batch 2048: prefix <= 1536 tokens
+    lines = [f"row_{i} = table[{i}] * scale + offset\n" for i in range(600)]
+    prompts = []
+    for cursor in range(300, 360, 3):
+        p = builder.build("".join(lines[max(0, cursor - 256):cursor]), "".join(lines[cursor:cursor + 64]), [], "", 32)
+        prompts.append(p.ids)
+        assert p.fim is False and p.truncated and len(p.ids) <= 1536 + 1
+    from cacheback_mlx.engine import common_prefix
+
+    shared = [common_prefix(a, b) / len(b) for a, b in zip(prompts, prompts[1:])]
+    assert sorted(shared)[len(shared) // 2] > 0.8  # median reuse
+    assert sum(s < 0.5 for s in shared) <= len(shared) // 4  # a new start now and then
+
+
+def test_prefix_only_rules_end_the_block_and_stop_before_the_suffix():
+    r = CompletionRules(block=True, cursor_line="    total = ", suffix="\n    return total\n")
+    assert r.cut("a + b\n") is None  # the block goes on until a blank line, a dedent or the suffix
+    assert r.cut("a + b\n    return total\n") == len("a + b\n")  # repeats the line below the cursor
+    assert r.cut("a + b\n    x = 1\n\n") == len("a + b\n    x = 1\n")  # a blank line ends the block
+    assert r.cut("a + b\nprint(1)") == len("a + b\n")  # dedent below the block's indent
+    r = CompletionRules(block=True, cursor_line="f(", suffix=")\n")
+    assert r.cut("x, y)") == len("x, y")  # text after the cursor: finish the line up to it
+    r = CompletionRules(n_indent=4)
+    assert r.cut("a\n  b") == 2 and r.cut("a\n    b") is None  # llama.cpp's n_indent

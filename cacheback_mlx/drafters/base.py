@@ -11,6 +11,8 @@ class Drafter:
     """Proposes a DraftTree from the token history and learns from the tokens that were accepted.
 
     The engine calls, in order:
+      learn(context_tokens)              optionally, text beside the sequence (an editor's code
+                                         below the cursor): draft from it, it is not history
       observe(prompt_tokens)             once per request/turn with the new prompt tokens
       propose(history, budget, max_branching) -> tree
                                          each step; history[-1] is the root (last accepted token);
@@ -29,6 +31,10 @@ class Drafter:
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        """Learn from text that is not part of the sequence (e.g. the code below an editor's
+        cursor): it may be drafted from, but it does not extend the history. Default: ignored."""
 
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         """A tree of at most `budget` draft tokens to follow history[-1], with at most

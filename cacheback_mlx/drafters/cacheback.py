@@ -83,12 +83,19 @@ class CachebackDrafter(Drafter):
     def observe(self, tokens: Sequence[int]) -> None:
         """Insert every leader-follower window that ends in the new tokens, oldest first; the last
         LL+FL-1 tokens are kept so that windows span observe calls."""
-        ll, span = self.ll, self.ll + self.fl
         seq = self._tail + [int(t) for t in tokens]
+        self._insert(seq)
+        self._tail = seq[max(0, len(seq) - (self.ll + self.fl - 1)):]
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        """Text beside the sequence: its windows go into the dynamic table, the tail stays."""
+        self._insert([int(t) for t in tokens])
+
+    def _insert(self, seq: list[int]) -> None:
+        ll, span = self.ll, self.ll + self.fl
         put = self.dynamic.put
         for i in range(len(seq) - span + 1):
             put(tuple(seq[i : i + ll]), tuple(seq[i + ll : i + span]))
-        self._tail = seq[max(0, len(seq) - (span - 1)):]
 
     def _frozen_followers(self, leader: tuple) -> list:
         return self.frozen.get(leader)[: self.fc]

@@ -1,0 +1,58 @@
+"""`cacheback-mlx serve`: a completion server for editors and OpenAI-style clients.
+
+One file per protocol over one shared core (core.py: request fields, errors, the body guard,
+generation jobs): llama.cpp's /infill and /completion (llama_cpp.py), OpenAI's /v1/* and Mistral's
+/v1/fim/completions (openai.py), Ollama's /api/* (ollama.py). Bad input gets a 4xx with a JSON
+error, never a 5xx.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+
+from ..api import Session
+from ..errors import CachebackError
+from ..fim import InfillBuilder
+from . import llama_cpp, ollama, openai
+from .core import BodyGuard, Context, Generator, error
+
+
+def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20, strict_infill: bool = False,
+               keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True) -> FastAPI:
+    """batch bounds /infill prompts the way llama.cpp's batch size does (prefix 3/4, suffix 1/4).
+    To measure what they bring: keep_drafter=False gives every request a fresh drafter,
+    stable_prefix=False cuts /infill prefixes at their last lines that fit (fim.py)."""
+    loaded = session.loaded
+    ctx = Context(session, Generator(session, keep_drafter),
+                  InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix), strict_infill)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await ctx.gen.close()
+
+    app = FastAPI(title="cacheback-mlx", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_body=max_body, api_key=api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}")
+
+    @app.exception_handler(CachebackError)
+    async def user_error(request: Request, exc: CachebackError):
+        return error(400, str(exc))
+
+    for protocol in (llama_cpp, openai, ollama):
+        app.include_router(protocol.router(ctx))
+    return app
+
+
+def serve(session: Session, host: str = "127.0.0.1", port: int = 8012, **options):
+    import uvicorn
+
+    uvicorn.run(create_app(session, **options), host=host, port=port, log_level="warning")

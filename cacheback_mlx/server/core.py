@@ -1,0 +1,303 @@
+"""What every protocol shares: request fields, errors, the body guard, and generation jobs.
+
+One Session serves every request, so the KV prefix and the drafter's tables carry over from request
+to request. One generation runs on the model at a time: the others wait for `turn`, an asyncio lock
+held for the whole job, so a waiting request never blocks the model's worker thread. A client that
+goes away (streaming or not) stops its generation at the next step. Everything a request can get
+wrong is checked before a response starts, so errors are 4xx with a JSON body, never a 200
+followed by an error event (only a failure of the model itself could still end a stream that way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import anyio
+import mlx.core as mx
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..api import Session
+from ..errors import CachebackError
+from ..fim import CompletionRules, InfillBuilder
+from ..sampling import SamplingParams
+
+MAX_TOKENS = 4096
+
+
+def no_lone_surrogates(value: Any) -> None:
+    """JSON can carry UTF-16 halves (\\ud800) that are no text at all: refuse them anywhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("invalid Unicode: a lone surrogate in a text field") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            no_lone_surrogates(k)
+            no_lone_surrogates(v)
+    elif isinstance(value, list):
+        for v in value:
+            no_lone_surrogates(v)
+
+
+class Lenient(BaseModel):
+    """Clients send many fields we do not use (samplers, cache_prompt, id_slot, time, ...):
+    unknown keys anywhere are ignored, never a 400."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data):
+        no_lone_surrogates(data)
+        return data
+
+
+class Sampling(Lenient):
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None  # negative: random, as llama.cpp's -1
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+    def params(self, offset: int = 0) -> SamplingParams:
+        seed = None if self.seed is None or self.seed < 0 else self.seed + offset
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, seed=seed)
+
+    def stops(self) -> list[str]:
+        if isinstance(self.stop, str):
+            return [self.stop] if self.stop else []
+        return [s for s in self.stop or [] if s]
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """llama.cpp's and OpenAI's error shape."""
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
+
+
+class BodyGuard:
+    """ASGI middleware: bodies over max_body bytes get a 413 whether or not they say their length
+    (chunked uploads are counted as they arrive), and a wrong API key a 401."""
+
+    def __init__(self, app, max_body: int, api_key: str | None):
+        self.app, self.max_body, self.api_key = app, max_body, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_body):
+            return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+        if self.api_key and scope["path"] not in ("/health", "/") and headers.get("authorization") != f"Bearer {self.api_key}":
+            return await error(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: the client's disconnect
+
+        await self.app(scope, replay, send)
+
+
+@dataclass
+class Job:
+    """One generation: token ids in, text out, with everything that may end it early."""
+
+    ids: list[int]
+    max_tokens: int  # 0: prefill only
+    sampling: Sampling
+    rules: CompletionRules | None = None
+    t_max_predict_ms: float | None = None  # llama.cpp: stop once generation has taken this long
+    context: list[int] = field(default_factory=list)  # beside the prompt, for the drafter (Drafter.learn)
+    text: str = ""
+    stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
+    hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
+    timings: dict = field(default_factory=dict)
+    truncated: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.hit_max else "stop"
+
+
+class Generator:
+    """Runs jobs one at a time on the shared Session, step by step, all on ONE worker thread (MLX
+    arrays and streams belong to the thread that made them)."""
+
+    def __init__(self, session: Session, keep_drafter: bool = True):
+        self.session = session
+        self.keep_drafter = keep_drafter  # False: a fresh drafter per request (measurements)
+        self.turn = asyncio.Lock()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    async def close(self):
+        """Free the worker's MLX streams before the thread ends: MLX needs this from any thread
+        that ran it, or the process may abort at exit ("terminate called ...", exit 134)."""
+        async with self.turn:
+            await self.call(mx.clear_streams)
+        self.worker.shutdown(wait=True)
+
+    def check(self, job: Job) -> None:
+        """Refuse what the engine would refuse, before any response starts."""
+        self.session.engine.check(job.ids, job.max_tokens)
+
+    def steps(self, job: Job, offset: int = 0) -> Iterator[str]:
+        """Text pieces as they become final (stop strings and rules applied); call holding `turn`."""
+        if not self.keep_drafter:
+            self.session.engine.reset_drafter()
+        if job.max_tokens == 0:
+            self.session.engine.prefill_only(job.ids, job.context)
+            job.stop_type, job.timings = "limit", self.timings(job, prefill_only=True)
+            return
+        stops = job.sampling.stops()
+        hold = max((len(s) - 1 for s in stops), default=0)
+        text, sent = "", 0
+        job.stop_type = "eos"
+        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context)
+        try:
+            for piece, _ in pieces:
+                text += piece
+                cut = min((text.find(s) for s in stops if s in text), default=-1)
+                if cut >= 0:
+                    job.stop_type = "word"
+                elif job.rules is not None and (c := job.rules.cut(text)) is not None:
+                    cut, job.stop_type = c, "limit"
+                if cut >= 0:
+                    text = text[:cut]
+                    break
+                if job.t_max_predict_ms and 1e3 * self.session.stats.decode_s >= job.t_max_predict_ms:
+                    job.stop_type = "limit"
+                    break
+                safe = len(text) - hold
+                if job.rules is not None and job.rules.holds_lines():
+                    safe = min(safe, text.rfind("\n") + 1)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+            else:
+                if self.session.stats.tokens >= job.max_tokens:
+                    job.stop_type, job.hit_max = "limit", True
+        finally:
+            pieces.close()
+        job.text = text
+        job.timings = self.timings(job)
+        if len(text) > sent:
+            yield text[sent:]
+
+    def timings(self, job: Job, prefill_only: bool = False) -> dict:
+        """llama.cpp's timings (prompt_n: prompt tokens computed; cache_n: reused), plus drafting."""
+        s = self.session.stats
+        cache_n = s.prompt_tokens - 1 - s.prefill_tokens
+        prompt_n = s.prompt_tokens - cache_n - (1 if prefill_only else 0)
+        per = lambda ms, n: (ms / n if n else 0.0, 1e3 * n / ms if ms > 0 else 0.0)
+        prompt_ms, predicted_ms = 1e3 * s.prefill_s, 1e3 * s.decode_s
+        p_tok, p_sec = per(prompt_ms, prompt_n)
+        d_tok, d_sec = per(predicted_ms, s.tokens)
+        return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": p_tok,
+                "prompt_per_second": p_sec, "predicted_n": s.tokens, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": d_tok, "predicted_per_second": d_sec, "draft_n": s.drafted,
+                "draft_n_accepted": max(s.accepted - s.passes, 0), "passes": s.passes, "mat": round(s.mat, 3)}
+
+    async def complete(self, request: Request, job: Job, n: int = 1) -> list[Job]:
+        """Run a job to its end (n times when sampling; greedy runs once and is repeated); stops
+        early when the client goes away, freeing the model for the next request."""
+        runs = [job] + [Job(**{**job.__dict__, "timings": {}}) for _ in range(n - 1)]
+        async with self.turn:
+            for i, run in enumerate(runs):
+                if i and job.sampling.temperature == 0:
+                    run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings
+                    continue
+                it = self.steps(run, offset=i)
+                try:
+                    while await self.call(next, it, None) is not None:
+                        if await request.is_disconnected():
+                            return runs[:i]
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.call(it.close)
+        return runs
+
+    async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict],
+                     done_marker: bool) -> AsyncIterator[str]:
+        """Server-sent events: one per piece, the last with done=True; ends on disconnect."""
+        async with self.turn:
+            it = self.steps(job)
+            try:
+                while True:
+                    piece = await self.call(next, it, None)
+                    if piece is None or await request.is_disconnected():
+                        break
+                    yield f"data: {json.dumps(event(piece, False))}\n\n"
+                if not await request.is_disconnected():
+                    yield f"data: {json.dumps(event('', True))}\n\n"
+            except CachebackError as e:
+                yield f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+            except Exception as e:  # the response has started: report in the stream, then end it
+                yield f"data: {json.dumps({'error': {'code': 500, 'message': str(e), 'type': 'server_error'}})}\n\n"
+            finally:
+                with anyio.CancelScope(shield=True):  # a disconnect cancels us: still end the generation
+                    await self.call(it.close)
+        if done_marker:
+            yield "data: [DONE]\n\n"
+
+
+def encode_text(session: Session, text: str, chat: bool = False, messages=None) -> list[int]:
+    """Token ids of a plain prompt (or chat messages through the template); empty is an error."""
+    if not (text or messages):
+        raise CachebackError("empty prompt")
+    return session.encode(messages if messages is not None else text, chat=chat)
+
+
+@dataclass
+class Context:
+    """What the protocol files share: the session, its generator, the infill prompt builder."""
+
+    session: Session
+    gen: Generator
+    infill: InfillBuilder
+    strict_infill: bool = False  # llama.cpp's answer (501) on models without FIM tokens
+
+    @property
+    def model_id(self) -> str:
+        return self.session.loaded.name
+
+    def max_tokens(self, n: int | None, default: int) -> int:
+        """A client's token limit: None -> default, -1 -> as many as fit (llama.cpp's -1)."""
+        return default if n is None else MAX_TOKENS if n < 0 else n
+
+    def infill_job(self, sampling: Sampling, prefix: str, suffix: str, extra: list[dict], prompt: str,
+                   n_predict: int, n_indent: int = 0, t_max_predict_ms: float | None = None) -> tuple[Job, bool]:
+        """A fill-in-the-middle job (prefix-only on models without FIM tokens); returns it and
+        whether the FIM layout was used."""
+        p = self.infill.build(prefix, suffix, extra, prompt, n_predict)
+        p.rules.n_indent = n_indent
+        job = Job(p.ids, n_predict, sampling, p.rules, t_max_predict_ms or None, p.context, truncated=p.truncated)
+        self.gen.check(job)
+        return job, p.fim

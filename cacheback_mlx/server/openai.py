@@ -1,0 +1,128 @@
+"""OpenAI's protocol: /v1/models, /v1/completions (with `suffix` for fill-in-the-middle),
+/v1/chat/completions, and Mistral's /v1/fim/completions (Continue's FIM providers post there).
+
+llama.cpp's extensions that editors send on these routes are honoured too: `n_predict` (0 on chat is
+llama.vim's warm-up: prefill the messages and answer with an empty message), `t_max_predict_ms`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+
+from .core import MAX_TOKENS, Context, Job, Lenient, Sampling, encode_text
+
+
+class OpenAIParams(Sampling):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # llama.cpp's name
+    n: int = Field(1, ge=1, le=16)
+    t_max_predict_ms: float | None = Field(None, ge=0)
+
+    def limit(self, ctx: Context, default: int) -> int:
+        n = next((v for v in (self.n_predict, self.max_completion_tokens, self.max_tokens) if v is not None), None)
+        return ctx.max_tokens(n, default)
+
+
+class CompletionRequest(OpenAIParams):
+    prompt: str
+    suffix: str | None = None
+
+
+class FimRequest(OpenAIParams):
+    prompt: str
+    suffix: str = ""
+
+
+class Part(Lenient):
+    type: str = "text"
+    text: str = ""
+
+
+class Message(Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = ""
+
+    def plain(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [] if p.type == "text")
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(OpenAIParams):
+    messages: list[Message] = Field(min_length=1)
+
+
+def router(ctx: Context) -> APIRouter:
+    api = APIRouter()
+    session, gen = ctx.session, ctx.gen
+
+    def usage(job: Job) -> dict:
+        n = job.timings.get("predicted_n", 0)
+        return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
+                "prompt_tokens_details": {"cached_tokens": job.timings.get("cache_n", 0)}}
+
+    async def answer(request: Request, req: OpenAIParams, job: Job, kind: str, extra: dict | None = None):
+        rid, created = f"{'chatcmpl' if kind != 'text' else 'cmpl'}-{uuid.uuid4().hex[:12]}", int(time.time())
+        head = {"id": rid, "created": created, "model": ctx.model_id}
+
+        def choice(text: str, index: int, done: bool, run: Job, stream: bool) -> dict:
+            reason = run.finish_reason if done else None
+            if kind == "text":
+                return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+            if stream:
+                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+        obj = "text_completion" if kind == "text" else "chat.completion"
+        if req.stream and job.max_tokens:
+            chunk = obj if kind == "text" else "chat.completion.chunk"
+
+            def event(piece: str, done: bool) -> dict:
+                out = head | {"object": chunk, "choices": [choice(piece, 0, done, job, True)]}
+                return out | {"usage": usage(job), "timings": job.timings} | (extra or {}) if done else out
+
+            return StreamingResponse(gen.stream(request, job, event, done_marker=True), media_type="text/event-stream")
+        runs = await gen.complete(request, job, req.n)
+        if not runs:
+            return JSONResponse({})
+        out = head | {"object": obj, "choices": [choice(r.text, i, True, r, False) for i, r in enumerate(runs)],
+                      "usage": usage(job), "timings": job.timings}
+        return JSONResponse(out | (extra or {}))
+
+    @api.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": ctx.model_id, "object": "model", "owned_by": "cacheback-mlx",
+                                            "created": 0, "meta": {"n_ctx_train": session.loaded.context_length}}]}
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if req.suffix is not None:
+            job, fim = ctx.infill_job(req, req.prompt, req.suffix, [], "", req.limit(ctx, 128),
+                                      t_max_predict_ms=req.t_max_predict_ms)
+            return await answer(request, req, job, "text", {"fim": fim})
+        job = Job(encode_text(session, req.prompt), req.limit(ctx, 128), req, t_max_predict_ms=req.t_max_predict_ms)
+        gen.check(job)
+        return await answer(request, req, job, "text")
+
+    @api.post("/v1/fim/completions")
+    async def fim_completions(req: FimRequest, request: Request):
+        job, fim = ctx.infill_job(req, req.prompt, req.suffix, [], "", req.limit(ctx, 128),
+                                  t_max_predict_ms=req.t_max_predict_ms)
+        return await answer(request, req, job, "chat", {"fim": fim})
+
+    @api.post("/v1/chat/completions")
+    @api.post("/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        ids = encode_text(session, "", chat=True, messages=[m.plain() for m in req.messages])
+        job = Job(ids, req.limit(ctx, 512), req, t_max_predict_ms=req.t_max_predict_ms)
+        gen.check(job)
+        return await answer(request, req, job, "chat")
+
+    return api

@@ -1,0 +1,334 @@
+"""Replay an editing session against the completion server, the way llama.vim sends it.
+
+    .venv/bin/python tools/editor_replay.py                       # 4 blocks of 12 lines, kept vs fresh
+    .venv/bin/python tools/editor_replay.py --blocks 1 --block-lines 6 --every 3   # smoke test
+
+A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. The server runs in this
+process (`create_app` behind FastAPI's TestClient, no network). The edited file is one that no
+shipped table was built from (the frozen table comes from the CPython stdlib): by default the
+installed `click` package's core.py (`--file` to change). `--blocks` blocks of `--block-lines`
+lines, spread over the file (seeded), are cut out one at a time and re-typed line by line; every
+`--every` lines (from 0) the editor asks for a completion with the cursor at the start of the next
+line to type: prefix = the document above it, suffix = the file after the cut block.
+
+Bodies are llama.vim's (ggml-org/llama.vim a1c8e6e: s:fim_ctx_local, llama#fim): the last 256 lines
+above the cursor, the cursor line split at the cursor, the next 64 lines, the ring buffer of extra
+chunks, its sampling fields and `response_fields`, to which this tool ADDS timings/cache_n,
+timings/passes, timings/mat, timings/draft_n, timings/draft_n_accepted and tokens_evaluated
+(llama.cpp ignores paths it lacks). t_max_predict_ms is 250 for a block's first request, 1000 after
+(llama.vim sends 1000 only in its speculative follow-ups, not replayed here). The ring buffer is
+modelled simply and deterministically: when the cursor has moved more than 32 lines since the last
+pick (a block's first request), one chunk of up to 32 lines is queued from [cursor-1024,
+cursor-256] and one from [cursor+64, cursor+128] (s:pick_chunk, seeded instead of random; exact
+duplicates skipped); between two requests one queued chunk enters the ring (16 at most, oldest out)
+and llama.vim's warm-up request (n_predict 0) is sent for it (s:ring_update). Warm-ups are counted
+and timed apart from completions. Not modelled: the eviction of ring chunks similar to the cursor's
+surroundings (s:chunk_sim > 0.5 in llama#fim), speculative follow-up requests, the editor's
+completion cache and typing pauses.
+
+Per completion: prompt tokens (tokens_evaluated, else prompt_n + timings/cache_n), prefilled
+(prompt_n), reused = timings/cache_n / prompt tokens (llama.cpp's tokens_cached is NOT the reused
+count but n_past, prompt and reply together: used only when the others are missing), latency (the
+HTTP call's wall time), and the time to the first completed line, an ESTIMATE: the latency less the
+decode time after the first newline of the reply, decode time being shared over tokens in
+proportion (the whole latency when the reply has no complete line). `--state both` runs the same
+request sequence on two Sessions: kept (the drafter keeps what it learned) and fresh (a fresh
+drafter every request; the KV prefix is still reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+N_PREFIX, N_SUFFIX, RING_CHUNK, RING_SCOPE = 256, 64, 64, 1024  # llama.vim's defaults
+CHUNK_LINES, RING_MAX, QUEUE_MAX, PICK_MOVE = RING_CHUNK // 2, 16, 16, 32
+VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+              "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+              "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
+OUR_FIELDS = ["timings/cache_n", "timings/passes", "timings/mat", "timings/draft_n", "timings/draft_n_accepted",
+              "tokens_evaluated"]
+EPOCH = 1_700_000_000  # the simulated reltime() clock starts here and ticks 2 s per completion
+
+
+def default_file() -> Path:
+    import click
+    return Path(click.__file__).parent / "core.py"
+
+
+def pick_blocks(lines: list[str], n: int, length: int, rng: random.Random) -> list[int]:
+    """Start lines (0-based) of n blocks, one in each nth of the file, each on a non-blank line."""
+    span = len(lines) // n
+    if span < length + 1:
+        sys.exit(f"file of {len(lines)} lines is too short for {n} blocks of {length} lines")
+    starts = []
+    for i in range(n):
+        lo, hi = i * span, (i + 1) * span - length
+        good = [s for s in range(lo, hi + 1) if lines[s].strip()]
+        starts.append(rng.choice(good or [lo]))
+    return starts
+
+
+class Ring:
+    """llama.vim's extra context: queued chunks move into the ring one per ring update."""
+
+    def __init__(self, rng: random.Random, filename: str):
+        self.rng, self.filename, self.queued, self.chunks = rng, filename, [], []
+
+    def pick(self, text: list[str], now: float) -> None:  # s:pick_chunk, no similarity eviction
+        if len(text) < 3:
+            return
+        if len(text) + 1 < RING_CHUNK:
+            chunk = text
+        else:
+            l0 = self.rng.randint(0, max(0, len(text) - CHUNK_LINES))
+            chunk = text[l0:l0 + CHUNK_LINES]
+        if any(c["data"] == chunk for c in self.chunks + self.queued):
+            return
+        if len(self.queued) == QUEUE_MAX:
+            self.queued.pop(0)
+        self.queued.append({"data": chunk, "time": [EPOCH + int(now), int(now % 1 * 1e6)]})
+
+    def update(self) -> bool:  # s:ring_update: True when a chunk moved in (send a warm-up)
+        if not self.queued:
+            return False
+        if len(self.chunks) == RING_MAX:
+            self.chunks.pop(0)
+        self.chunks.append(self.queued.pop(0))
+        return True
+
+    def extra(self) -> list[dict]:  # s:ring_get_extra
+        return [{"text": "\n".join(c["data"]) + "\n", "time": c["time"], "filename": self.filename}
+                for c in self.chunks]
+
+
+def fim_body(doc: list[str], y: int, extra: list[dict], first: bool) -> dict:
+    """llama#fim's body for the cursor at the start of the empty line doc[y] (0-based)."""
+    return {"id_slot": 0, "input_prefix": "\n".join(doc[max(0, y - N_PREFIX):y]) + "\n",
+            "input_suffix": "" + "\n" + "\n".join(doc[y + 1:y + 1 + N_SUFFIX]) + "\n",
+            "input_extra": extra, "prompt": "", "n_predict": 128, "stop": [], "n_indent": 0,
+            "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": False,
+            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 250 if first else 1000,
+            "response_fields": VIM_FIELDS + OUR_FIELDS}
+
+
+def warm_body(extra: list[dict]) -> dict:
+    return {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "",
+            "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]}
+
+
+def plan(lines: list[str], filename: str, args) -> list[tuple[str, dict, dict | None]]:
+    """The session's requests in order: ("fim", body, where) and ("warm", body, None)."""
+    rng = random.Random(args.seed)
+    ring, events, pos_pick, n = Ring(rng, filename), [], -9999, 0
+    for b, s in enumerate(pick_blocks(lines, args.blocks, args.block_lines, rng)):
+        before, block, after = lines[:s], lines[s:s + args.block_lines], lines[s + args.block_lines:]
+        for typed in range(0, args.block_lines, args.every):
+            if ring.update():
+                events.append(("warm", warm_body(ring.extra()), None))
+            doc, y = before + block[:typed] + [""] + after, s + typed
+            extra = [] if args.no_extra else ring.extra()
+            events.append(("fim", fim_body(doc, y, extra, typed == 0),
+                           {"block": b + 1, "typed": typed, "line": y + 1, "first": typed == 0}))
+            n += 1
+            if not args.no_extra and abs(y - pos_pick) > PICK_MOVE:  # vim lines are 1-based: y + 1
+                last = len(doc)
+                ring.pick(doc[max(1, y + 1 - RING_SCOPE) - 1:max(1, y + 1 - N_PREFIX)], 2.0 * n)
+                ring.pick(doc[min(last, y + 1 + N_SUFFIX) - 1:min(last, y + 1 + N_SUFFIX + RING_CHUNK)], 2.0 * n)
+                pos_pick = y
+    return events
+
+
+def field(resp: dict, path: str):
+    """A response_fields value: llama.cpp returns the flat key "timings/x"; a full body nests it."""
+    if path in resp:
+        return resp[path]
+    for key in path.split("/"):
+        resp = resp.get(key) if isinstance(resp, dict) else None
+    return resp
+
+
+def run_state(events, session, keep: bool, args) -> dict:
+    from fastapi.testclient import TestClient
+    from cacheback_mlx.server import create_app
+
+    native = "keep_drafter" in inspect.signature(create_app).parameters
+    opts = {"max_body": args.max_body} | ({} if keep or not native else {"keep_drafter": False})
+    opts |= {"stable_prefix": False} if args.sliding_prefix else {}
+    engine = session.engine
+
+    def fresh():  # emulates keep_drafter=False on a server without it
+        if hasattr(engine, "reset_drafter"):
+            engine.reset_drafter()
+        else:
+            engine.drafter.reset()
+            engine.history = []
+
+    encode = lambda t: len(session.tokenizer.encode(t, add_special_tokens=False))
+    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "failures": [], "native": native}
+    with TestClient(create_app(session, **opts), raise_server_exceptions=False) as client:
+        for kind, body, where in events:
+            if not keep and not native:
+                fresh()
+            t0 = time.perf_counter()
+            r = client.post("/infill", json=body)
+            ms = 1e3 * (time.perf_counter() - t0)
+            if r.status_code != 200:
+                try:
+                    msg = r.json().get("error", {}).get("message") or r.text
+                except ValueError:
+                    msg = r.text
+                out["failures"].append(f"{kind} {r.status_code}: {str(msg)[:160]}")
+                continue
+            if kind == "warm":
+                out["warm_n"], out["warm_ms"] = out["warm_n"] + 1, out["warm_ms"] + ms
+                continue
+            resp = r.json()
+            num = lambda p: field(resp, p) or 0
+            prompt_n, predicted, pred_ms = num("timings/prompt_n"), num("timings/predicted_n"), num("timings/predicted_ms")
+            cached, total = field(resp, "timings/cache_n"), field(resp, "tokens_evaluated")
+            if total is None:  # llama.cpp's tokens_cached is n_past: the prompt and the reply
+                total = prompt_n + cached if cached is not None else num("tokens_cached") - predicted
+            cached = total - prompt_n if cached is None else cached
+            content = resp.get("content") or ""
+            nl = content.find("\n", len(content) - len(content.lstrip()))
+            first_line = ms
+            if nl >= 0 and predicted:
+                share = min(1.0, encode(content[:nl + 1]) / predicted)
+                first_line = ms - pred_ms * (1 - share)
+            out["rows"].append(where | {"prompt": total, "prefilled": prompt_n, "cached": cached,
+                                        "reused": 100 * cached / total if total else 0.0, "ms": ms,
+                                        "first_line": first_line, "predicted": predicted,
+                                        "passes": num("timings/passes"), "chars": len(content)})
+    return out
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def tpp(rows) -> float:
+    passes = sum(r["passes"] for r in rows)
+    return sum(r["predicted"] for r in rows) / passes if passes else float("nan")
+
+
+def thirds(rows):
+    n = len(rows)
+    cuts = [0, (n + 2) // 3, (2 * n + 1) // 3, n]  # contiguous, sizes within one of each other
+    return [rows[cuts[i]:cuts[i + 1]] for i in range(3)]
+
+
+def table(head: list[str], rows: list[list]) -> None:
+    cell = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(cell(v).replace("nan", "-") for v in r) + " |")
+    print()
+
+
+def header(args, path: Path, session) -> None:
+    import mlx.core as mx
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), cpu)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    print("## Editor replay (llama.vim requests)\n")
+    print("`" + " ".join([".venv/bin/python tools/editor_replay.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
+    print(f"- machine: {cpu} ({platform.system()} {platform.machine()}), MLX {mx.__version__} on {mx.default_device()}")
+    print(f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; model: {session.loaded.name}; drafter: {args.drafter}")
+    where = path.relative_to(path.parents[1]) if len(path.parents) > 1 else path
+    if args.file is None:
+        where = f"{where} (click {metadata.version('click')})"
+    print(f"- file: {where} ({args.blocks} blocks of {args.block_lines} lines, a request every {args.every} lines, "
+          f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'on'}, "
+          f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
+    print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--file", type=Path, help="source file to edit (default: click's core.py)")
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--block-lines", type=int, default=12)
+    ap.add_argument("--every", type=int, default=3, help="a completion request every K lines typed")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="default: the embedded default model")
+    ap.add_argument("--drafter", default="cacheback")
+    ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")
+    ap.add_argument("--state", choices=["kept", "fresh", "both"], default="both")
+    ap.add_argument("--no-extra", action="store_true", help="no ring-buffer chunks (input_extra empty, no warm-ups)")
+    ap.add_argument("--max-body", type=int, default=64 << 20)
+    ap.add_argument("--sliding-prefix", action="store_true",
+                    help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
+    ap.add_argument("--verbose", action="store_true", help="also print every request")
+    args = ap.parse_args(argv)
+    if min(args.blocks, args.block_lines, args.every) < 1:
+        ap.error("--blocks, --block-lines and --every must be >= 1")
+    from cacheback_mlx.api import Session
+
+    path = args.file or default_file()
+    lines = path.read_text(encoding="utf-8").split("\n")
+    events = plan(lines, f"{path.parent.name}/{path.name}", args)
+    states = ["kept", "fresh"] if args.state == "both" else [args.state]
+    results = {}
+    for state in states:
+        session = Session(args.model, args.drafter, draft_budget=args.draft_budget)
+        if not results:
+            header(args, path, session)
+        results[state] = run_state(events, session, state == "kept", args)
+        del session
+
+    cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass"]
+    summary = []
+    for state, res in results.items():
+        if args.verbose:
+            print(f"### Requests, drafter {state}\n")
+            table(["block", "line typed", "prompt tok", "prefilled", "reused %", "latency ms", "first line ms",
+                   "predicted", "passes", "tok/pass"],
+                  [[r["block"], f"{r['line']} ({r['typed']}/{args.block_lines})", r["prompt"], r["prefilled"],
+                    r["reused"], r["ms"], r["first_line"], r["predicted"], r["passes"], tpp([r])] for r in res["rows"]])
+        for name, part in zip(("first", "middle", "last"), thirds(res["rows"])):
+            summary.append([state, name, len(part), med([r["prompt"] for r in part]),
+                            med([r["reused"] for r in part if not r["first"]]), med([r["ms"] for r in part]),
+                            med([r["first_line"] for r in part]), tpp(part)])
+    print("### By third of the session\n")
+    print("reused %: requests after a block's first; tok/pass: tokens predicted per verify pass\n")
+    table(cols, summary)
+    for state, res in results.items():
+        how = "server option keep_drafter=False" if res["native"] else "drafter reset by this tool"
+        print(f"- {state}: {len(res['rows'])} completions, {res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
+              f"{len(res['failures'])} failed" + (f" (fresh: {how})" if state == "fresh" else ""))
+        for f in sorted(set(res["failures"]))[:5]:
+            print(f"  - {f} (x{res['failures'].count(f)})")
+    print("\n### Headline\n")
+    head = results.get("kept") or next(iter(results.values()))
+    reused = med([r["reused"] for r in head["rows"] if not r["first"]])
+    first_line = med([r["first_line"] for r in head["rows"]])
+    if "kept" in results and "fresh" in results:
+        kept, fresh = (tpp(thirds(results[s]["rows"])[2]) for s in ("kept", "fresh"))
+        ok = kept / fresh - 1 >= 0.15 if fresh == fresh and fresh and kept == kept else None
+        gain = "-" if ok is None else f"{100 * (kept / fresh - 1):+.1f}% ({kept:.2f} vs {fresh:.2f} tok/pass)"
+    else:
+        ok, gain = None, "- (needs --state both)"
+    check = lambda ok: "" if ok is None else (" ✅" if ok else " ❌")
+    show = lambda v, fmt: "-" if v != v else format(v, fmt)  # nan: no request to measure
+    print(f"- median tokens reused after a block's first request: {show(reused, '.1f')}% (target >= 80%){check(reused >= 80 if reused == reused else None)}")
+    print(f"- learning across requests, tok/pass in the last third, kept vs fresh: {gain} (target >= +15%){check(ok)}")
+    print(f"- median time to the first completed line (estimate): {show(first_line, '.0f')} ms (target < 1000 ms){check(first_line < 1000 if first_line == first_line else None)}")
+
+
+if __name__ == "__main__":
+    main()
