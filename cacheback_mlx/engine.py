@@ -30,6 +30,7 @@ from .tree import DraftTree
 from .verify import padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
 
 
 def on_gpu() -> bool:
@@ -183,7 +184,10 @@ class Engine:
         t0 = time.perf_counter()
         if context:
             self.drafter.learn(context)
-        self.drafter.observe(prompt[common_prefix(self.history, prompt):])
+        seen = common_prefix(self.history, prompt)
+        if seen < len(self.history):  # an edited prompt, not a continuation: the text just before
+            self.drafter.learn(prompt[max(0, seen - REFRESH):seen])  # the edit becomes the most recent
+        self.drafter.observe(prompt[seen:])
         self.history = list(prompt)
         self.stats.draft_s += time.perf_counter() - t0
 

@@ -7,7 +7,10 @@ cursor line's text before the cursor, `prompt`):
   <prefix>PREFIX<suffix>SUFFIX<middle>PROMPT.
 - Prefix-only, for models without them (the embedded default): the extra chunks as plain text, then
   PREFIX + PROMPT, which the model simply continues. The reply is cut at the end of the block
-  (`CompletionRules`), and where it starts to repeat the text below the cursor.
+  (`CompletionRules`), and where it starts to repeat the text below the cursor. On an empty cursor
+  line the prompt stops before the prefix's last newline (token healing): BPE vocabularies merge a
+  newline with the next line's indentation, so a prompt ending in a bare newline token reads like
+  "the next line starts at column 0", and the model writes the newline itself instead.
 
 Fitting the context (llama.cpp's order and ratios, batch B = 2048 by default): the suffix keeps at
 most B/4 tokens from its start (never less than the cursor line's rest), the prefix at most 3B/4
@@ -109,9 +112,14 @@ class InfillBuilder:
         costs_e = [self.count(chunk_text(fim, c)) for c in chunks]
         first = len(chunks) - fit_from_start(costs_e[::-1], left)
 
+        # prefix-only on an empty cursor line: end the prompt before the last newline, which the
+        # model then writes itself, merged with the new line's indentation as in its training text
+        heal = "\n" + prompt if not fim and not prompt.strip() and prefix.endswith("\n") else ""
+
         def encode(start):
             used = "".join(lines[start:])
-            body = f"{fim['prefix']}{used}{fim['suffix']}{suffix_used}{fim['middle']}{prompt}" if fim else used + prompt
+            body = f"{fim['prefix']}{used}{fim['suffix']}{suffix_used}{fim['middle']}{prompt}" if fim else \
+                used[:-1] if heal else used + prompt
             return list(self.tokenizer.encode(extra_text(fim, chunks[first:]) + body))
 
         ids = encode(start)
@@ -122,7 +130,7 @@ class InfillBuilder:
             raise CachebackError(f"infill prompt does not fit the context of {self.context_length} tokens")
         self.anchor = lines[start:start + ANCHOR_LINES]
         truncated = start > 0 or first > 0 or (use_fim and keep_s < len(suffix_lines))
-        rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix)
+        rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix, heal=heal)
         context = [] if use_fim else self.tokenizer.encode(suffix, add_special_tokens=False)[: self.batch // 4]
         return InfillPrompt(ids, use_fim, truncated, rules, list(context))
 
@@ -179,12 +187,22 @@ class CompletionRules:
     cursor_line: str = ""
     suffix: str = ""
     n_indent: int = 0
+    heal: str = ""  # text the prompt left out for the model to write first (not shown)
 
     def __post_init__(self):
         first, _, rest = self.suffix.partition("\n")
         self.line_rest = first.strip()  # text after the cursor on its line
         self.next_line = next((x.strip() for x in rest.splitlines() if x.strip()), "")
         self.block_indent = indent_of(self.cursor_line) if self.cursor_line.strip() else None
+
+    def visible(self, text: str) -> str:
+        """The reply without the healed text; a reply that first goes on with the line above
+        the cursor instead is shown from its first new line."""
+        if not self.heal or text.startswith(self.heal):
+            return text[len(self.heal):]
+        if self.heal.startswith(text):
+            return ""
+        return text[text.index("\n") + 1:] if "\n" in text else ""
 
     def cut(self, text: str) -> int | None:
         """Where to cut text (the reply so far) if it has ended; None while it goes on."""

@@ -206,3 +206,30 @@ def test_prefill_only_then_generate_reuses_it_and_stays_lossless(tiny_model):
     assert out == run(tiny_model, NoDrafter(), prompt=longer, n=12)[0]
     with pytest.raises(CachebackError, match="max_tokens"):
         next(eng.generate(longer, 0))
+
+
+def test_edited_prompt_refreshes_the_text_before_the_edit(tiny_model):
+    """An editor's next prompt departs from the last one at the cursor: the drafter learns the
+    text just before it again (so it is the most recent), then observes only the new part. A
+    prompt that continues the last one (a chat's next turn) is observed without that."""
+
+    class Recorder(Drafter):
+        def __init__(self):
+            self.calls = []
+
+        def learn(self, tokens):
+            self.calls.append(("learn", list(tokens)))
+
+        def observe(self, tokens):
+            self.calls.append(("observe", list(tokens)))
+
+    rec = Recorder()
+    eng = Engine(tiny_model, eos_ids=[], drafter=rec, context_length=4096)
+    first = [t for s in eng.generate(PROMPT, 4) for t in s]
+    rec.calls.clear()
+    list(eng.generate(PROMPT + first + [7], 2))  # continues: no refresh
+    assert rec.calls[0] == ("observe", [7])
+    rec.calls.clear()
+    edited = PROMPT[:6] + [11, 12]
+    list(eng.generate(edited, 2))
+    assert rec.calls[:2] == [("learn", PROMPT[:6]), ("observe", [11, 12])]

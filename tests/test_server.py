@@ -10,6 +10,8 @@ import pytest
 from conftest import write_tiny_gguf
 
 from cacheback_mlx.api import Session
+from cacheback_mlx.drafters.base import Drafter
+from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.fim import CompletionRules, InfillBuilder, fim_prompt
 from cacheback_mlx.errors import CachebackError
 
@@ -201,25 +203,14 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
         proc.kill()
 
 
-class SlowDrafter:
+class SlowDrafter(Drafter):
     """Never drafts and takes 15 ms a step: generations long enough to time and to abandon."""
 
     name = "slow"
 
-    def reset(self):
-        pass
-
-    def observe(self, tokens):
-        pass
-
     def propose(self, history, budget, max_branching=None):
-        from cacheback_mlx.tree import DraftTree
-
         time.sleep(0.015)
         return DraftTree.empty()
-
-    def end_request(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +294,38 @@ def test_prefix_only_rules_end_the_block_and_stop_before_the_suffix():
     assert r.cut("x, y)") == len("x, y")  # text after the cursor: finish the line up to it
     r = CompletionRules(n_indent=4)
     assert r.cut("a\n  b") == 2 and r.cut("a\n    b") is None  # llama.cpp's n_indent
+
+
+def test_request_abandoned_while_queued_never_runs(slow_server, monkeypatch):
+    """Editors send a request per keystroke and drop the last one: a request whose client left
+    while it waited for the model is skipped, not run."""
+    url, session = slow_server
+    seen = []
+    real = session.stream_ids
+    monkeypatch.setattr(session, "stream_ids", lambda ids, *a, **kw: (seen.append(list(ids)), real(ids, *a, **kw))[1])
+    busy = threading.Thread(target=lambda: httpx.post(f"{url}/completion", timeout=60, json={
+        "prompt": session.long_prompt, "n_predict": 2000, "t_max_predict_ms": 1500}))
+    busy.start()
+    time.sleep(0.3)
+    with pytest.raises(httpx.TimeoutException):  # queued behind `busy`, then gone
+        httpx.post(f"{url}/completion", json={"prompt": "queued and abandoned", "n_predict": 50}, timeout=0.3)
+    busy.join(30)
+    r = httpx.post(f"{url}/completion", json={"prompt": "next", "n_predict": 2}, timeout=60)
+    assert r.status_code == 200
+    texts = [session.tokenizer.decode(ids) for ids in seen]
+    assert not any("abandoned" in t for t in texts) and any("next" in t for t in texts)
+
+
+def test_prefix_only_prompt_heals_the_last_newline(default_model):
+    """On an empty cursor line the prompt stops before the prefix's last newline, so the model
+    writes it merged with the next line's indentation, as in its training text; the reply is shown
+    from the cursor line on."""
+    builder = InfillBuilder(default_model.tokenizer, None, 8192)
+    p = builder.build("def f(x):\n    y = x + 1\n", "\n    return y\n", [], "", 32)
+    assert default_model.tokenizer.decode(p.ids) == "def f(x):\n    y = x + 1"
+    rules = p.rules
+    assert rules.visible("\n    z = y") == "    z = y"
+    assert rules.visible("  # note\n    z = y") == "    z = y"  # went on with the line above first
+    assert rules.visible("  # not yet a new line") == ""
+    typed = builder.build("def f(x):\n", "\n", [], "    y = ", 32)  # text on the cursor line: no healing
+    assert default_model.tokenizer.decode(typed.ids).endswith("def f(x):\n    y = ") and typed.rules.heal == ""

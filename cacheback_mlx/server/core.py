@@ -169,7 +169,8 @@ class Generator:
         self.session.engine.check(job.ids, job.max_tokens)
 
     def steps(self, job: Job, offset: int = 0) -> Iterator[str]:
-        """Text pieces as they become final (stop strings and rules applied); call holding `turn`."""
+        """Text pieces as they become final (stop strings and rules applied), one per engine step
+        ("" when a step's text is held back); call holding `turn`."""
         if not self.keep_drafter:
             self.session.engine.reset_drafter()
         if job.max_tokens == 0:
@@ -182,8 +183,10 @@ class Generator:
         job.stop_type = "eos"
         pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context)
         try:
+            raw = ""
             for piece, _ in pieces:
-                text += piece
+                raw += piece
+                text = job.rules.visible(raw) if job.rules is not None else raw
                 cut = min((text.find(s) for s in stops if s in text), default=-1)
                 if cut >= 0:
                     job.stop_type = "word"
@@ -198,9 +201,8 @@ class Generator:
                 safe = len(text) - hold
                 if job.rules is not None and job.rules.holds_lines():
                     safe = min(safe, text.rfind("\n") + 1)
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
+                yield text[sent:safe] if safe > sent else ""  # "" too: callers check for a disconnect
+                sent = max(sent, safe)
             else:
                 if self.session.stats.tokens >= job.max_tokens:
                     job.stop_type, job.hit_max = "limit", True
@@ -230,6 +232,8 @@ class Generator:
         early when the client goes away, freeing the model for the next request."""
         runs = [job] + [Job(**{**job.__dict__, "timings": {}}) for _ in range(n - 1)]
         async with self.turn:
+            if await request.is_disconnected():  # gave up while waiting its turn (an editor's keystroke)
+                return []
             for i, run in enumerate(runs):
                 if i and job.sampling.temperature == 0:
                     run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings
@@ -248,13 +252,16 @@ class Generator:
                      done_marker: bool) -> AsyncIterator[str]:
         """Server-sent events: one per piece, the last with done=True; ends on disconnect."""
         async with self.turn:
+            if await request.is_disconnected():
+                return
             it = self.steps(job)
             try:
                 while True:
                     piece = await self.call(next, it, None)
                     if piece is None or await request.is_disconnected():
                         break
-                    yield f"data: {json.dumps(event(piece, False))}\n\n"
+                    if piece:
+                        yield f"data: {json.dumps(event(piece, False))}\n\n"
                 if not await request.is_disconnected():
                     yield f"data: {json.dumps(event('', True))}\n\n"
             except CachebackError as e:
