@@ -247,3 +247,20 @@ def test_a_folder_with_an_invalid_config_gets_a_one_line_error(tmp_path, tokeniz
     with pytest.raises(CachebackError) as e:
         load(str(folder))
     assert str(e.value).startswith("cannot load model folder") and "\n" not in str(e.value)
+
+
+def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
+    """The editor path on every family: a warm-up prefill (n_predict 0), a request extending it,
+    then an edited prompt (the drafter re-learns the text before the edit), all token for token
+    equal to mlx-lm's own greedy decoding."""
+    name, model = family
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
+    eng.prefill_only(PROMPT[:16], context=[5, 6, 7])
+    turn1 = PROMPT
+    truth1 = reference(model, turn1, 12)
+    out1, _ = run(model, RandomTreeDrafter(turn1, truth1, seed=8), prompt=turn1, n=12, engine=eng)
+    assert out1 == truth1 and eng.stats.prefill_tokens <= len(PROMPT) - 16 + 12, name
+    turn2 = PROMPT[:20] + [11, 12, 13, 14]  # departs from the history: an edit
+    truth2 = reference(model, turn2, 12)
+    out2, _ = run(model, OracleDrafter(turn2, truth2), prompt=turn2, n=12, engine=eng)
+    assert out2 == truth2, name
