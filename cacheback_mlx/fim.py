@@ -39,7 +39,7 @@ ANCHOR_LINES = 3  # lines of text that find the last prompt's start line again
 
 
 def fim_prompt(fim: dict | None, prefix: str, suffix: str, extra: list[dict] | None = None, prompt: str = "") -> str:
-    """llama.cpp's /infill text layout, untrimmed (OpenAI `suffix`, Ollama `suffix`)."""
+    """llama.cpp's /infill text layout (InfillBuilder trims the pieces first)."""
     if not fim:
         raise CachebackError("this model has no fill-in-the-middle tokens")
     return extra_text(fim, extra or []) + f"{fim['prefix']}{prefix}{fim['suffix']}{suffix}{fim['middle']}{prompt}"
@@ -118,9 +118,9 @@ class InfillBuilder:
 
         def encode(start):
             used = "".join(lines[start:])
-            body = f"{fim['prefix']}{used}{fim['suffix']}{suffix_used}{fim['middle']}{prompt}" if fim else \
-                used[:-1] if heal else used + prompt
-            return list(self.tokenizer.encode(extra_text(fim, chunks[first:]) + body))
+            text = fim_prompt(fim, used, suffix_used, chunks[first:], prompt) if fim else \
+                extra_text(None, chunks[first:]) + (used[:-1] if heal else used + prompt)
+            return list(self.tokenizer.encode(text))
 
         ids = encode(start)
         while len(ids) > room and start < len(lines):  # per-line counts can miss the joint count a little
