@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+from mlx.utils import tree_flatten
+
+from .budget import CostTable, Sizer, load_or_measure
 from .drafters import drafter_names, make_drafter
 from .engine import Engine, Stats
 from .errors import CachebackError
@@ -12,7 +15,7 @@ from .loader import LoadedModel, load
 from .sampling import SamplingParams
 from .tokenizer import vocab_fingerprint
 
-DEFAULT_DRAFTER = "cacheback"
+DEFAULT_DRAFTER = "auto"
 
 _loaded: dict[tuple, LoadedModel] = {}
 
@@ -27,12 +30,28 @@ def load_cached(model: str | LoadedModel | None = None, dtype: str | None = None
     return _loaded[key]
 
 
+def truncate_left(ids: Sequence[int], context_length: int, max_tokens: int, keep_first: bool = False) -> list[int]:
+    """llama.cpp's answer to a prompt longer than the context: drop tokens from the left (after
+    the first one when `keep_first`, e.g. a BOS) so that the prompt and a reply of up to
+    min(max_tokens, context/4) tokens fit."""
+    ids = list(ids)
+    room = context_length - max(1, min(max_tokens, context_length // 4))
+    if len(ids) <= room:
+        return ids
+    head = ids[:1] if keep_first and ids else []
+    return head + ids[len(ids) - (room - len(head)):]
+
+
 class Session:
     """One model, its KV cache and a drafter. Keeps both across calls, so a conversation's later
     turns only prefill their new tokens and the drafter keeps what it learned."""
 
     def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
-                 dtype: str | None = None, draft_budget: int | None = None, **drafter_params):
+                 dtype: str | None = None, draft_budget: int | None = None, fixed_budget: bool = False,
+                 **drafter_params):
+        """draft_budget caps the draft tokens per pass; each pass takes as many as pay for their
+        rows by the model's measured pass cost (measured once, a few seconds, then cached), or
+        exactly draft_budget (default: per backend) with fixed_budget."""
         if drafter not in drafter_names():  # a bad name fails before the model loads
             make_drafter(drafter)
         self.loaded = load_cached(model, dtype)
@@ -42,6 +61,15 @@ class Session:
         self.drafter_name = drafter
         self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
                              self.loaded.context_length, draft_budget=draft_budget)
+        if not fixed_budget:
+            self.engine.set_sizer(Sizer(self.verify_cost()), draft_budget)
+
+    def verify_cost(self, remeasure: bool = False) -> CostTable:
+        """Seconds of a pass by rows and cached tokens for this model on this machine (budget.py)."""
+        params = sum(v.size for _, v in tree_flatten(self.loaded.model.parameters()))
+        key = f"{self.loaded.name}|{self.loaded.dtype}|{self.fingerprint}|{params}"
+        return load_or_measure(self.loaded.model, key, self.loaded.context_length, self.engine.buckets,
+                               vocab=self.engine.vocab_size, remeasure=remeasure)
 
     @property
     def stats(self) -> Stats:
@@ -79,10 +107,21 @@ class Session:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def fit(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], bool]:
+        """The prompt cut from the left to fit the context (truncate_left; a leading BOS stays),
+        and whether it was cut."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        ids = list(prompt_ids)
+        fitted = truncate_left(ids, self.loaded.context_length, max_tokens, keep_first=bool(ids) and ids[0] == bos)
+        return fitted, len(fitted) < len(ids)
+
     def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
-                   context: Sequence[int] = ()) -> Iterator[tuple[str, list[int]]]:
+                   context: Sequence[int] = (), truncate: bool = False) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, tokens) per step; the text pieces join into the full output.
-        `context`: token ids beside the prompt the drafter may draft from (Drafter.learn)."""
+        `context`: token ids beside the prompt the drafter may draft from (Drafter.learn).
+        truncate: a prompt too long for the context loses its oldest tokens (default: an error)."""
+        if truncate:
+            prompt_ids = self.fit(prompt_ids, max_tokens)[0]
         detok = self.tokenizer.detokenizer
         detok.reset()
         for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context):
@@ -94,9 +133,9 @@ class Session:
             yield detok.last_segment, []
 
     def stream(self, prompt: str | Sequence[dict], max_tokens: int = 256, chat: bool | None = None,
-               system: str | None = None, **sampling) -> Iterator[str]:
+               system: str | None = None, truncate: bool = False, **sampling) -> Iterator[str]:
         ids = self.encode(prompt, chat=chat, system=system)
-        for text, _ in self.stream_ids(ids, max_tokens, SamplingParams(**sampling)):
+        for text, _ in self.stream_ids(ids, max_tokens, SamplingParams(**sampling), truncate=truncate):
             if text:
                 yield text
 

@@ -15,13 +15,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from .api import Session
 from .errors import CachebackError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data" / "bench"  # Spec-Bench and HumanEval, shipped with their licences
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 COLUMNS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval"]
 MLX_LM = "mlx-lm"
@@ -91,10 +90,22 @@ def _read(path: Path) -> str:
     return path.read_text()
 
 
-def run_engine(session: Session, drafter, prompt: Prompt, max_tokens: int, label: str | None = None) -> Run:
-    """One question with one drafter, from an empty cache and a fresh drafter state."""
+@dataclass
+class Row:
+    """One bench row: a drafter and how its passes are sized (a Sizer: per step; None: fixed)."""
+
+    drafter: object
+    sizer: object = None
+    budget: int | None = None  # the cap (per step) or the fixed budget
+
+
+def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: str | None = None) -> Run:
+    """One question with one drafter (or Row), from an empty cache and a fresh drafter state."""
+    row = row if isinstance(row, Row) else Row(row, session.engine.sizer, session.engine.draft_budget)
+    drafter = row.drafter
     eng = session.engine
     eng.drafter = drafter
+    eng.set_sizer(row.sizer, row.budget)
     eng.reset()
     run = Run(prompt.id, prompt.column, label or drafter.name)
     messages: list[dict] = []
@@ -232,34 +243,6 @@ def plot(summary: dict, path: str | Path) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside: never over bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def verify_cost(session: Session, sizes=(1, 2, 4, 8, 16, 32, 64, 128), cached: int = 256, repeats: int = 7) -> dict[int, float]:
-    """Median time of one forward pass over B tokens after `cached` cached tokens, per B (seconds)."""
-    return engine_verify_cost(session.engine, sizes, cached, repeats)
-
-
-def engine_verify_cost(eng, sizes=(1, 2, 4, 8, 16), cached: int = 256, repeats: int = 7,
-                       vocab: int | None = None) -> dict[int, float]:
-    """The same for any Engine (each pass is undone, so every pass starts from `cached` tokens)."""
-    from .tree import DraftTree
-    from .verify import prefill, verify_pass
-
-    vocab = vocab or eng.vocab_size
-    eng.reset()
-    prefill(eng.model, eng.cache, [(100 + i) % vocab for i in range(cached)])
-    out = {}
-    for b in sizes:
-        times = []
-        for _ in range(repeats + 1):
-            draft = DraftTree.chain([(7 + i) % vocab for i in range(b - 1)])
-            t0 = time.perf_counter()
-            mx.eval(verify_pass(eng.model, eng.cache, [5], draft, eng.buckets))
-            times.append(time.perf_counter() - t0)
-            eng.cache.finish_pass([], whole=False)
-        out[b] = float(np.median(times[1:]))
-    eng.reset()
-    return out
 
 
 def save_json(runs: list[Run], summary: dict, path: str | Path, meta: dict) -> None:

@@ -32,8 +32,31 @@ A line ending in \\ continues on the next line. Ctrl-C stops a reply."""
 @dataclass
 class ChatState:
     system: str | None = None
-    messages: list[dict] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the whole conversation (what /save writes)
     last_stats: dict | None = None
+    start: int = 0  # messages[start:] is what the model still sees (older ones no longer fit)
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.start = 0
+
+
+def fit_context(session, state: ChatState, reserve: int) -> tuple[list[int], int]:
+    """Prompt ids for the conversation: the system prompt and the latest turns that fit the
+    model's context with `reserve` tokens left for the reply. Older turns are dropped, whole
+    exchanges at a time, never the system prompt nor the message being answered. Returns the ids
+    and how many more messages were dropped; if even the last message alone does not fit, the
+    engine's one-line error says so."""
+    system = [{"role": "system", "content": state.system}] if state.system else []
+    room = session.loaded.context_length - reserve
+    before = state.start
+    while True:
+        ids = session.encode(system + state.messages[state.start:], chat=True)
+        if len(ids) <= room or state.start >= len(state.messages) - 1:
+            return ids, state.start - before
+        state.start += 1
+        while state.start < len(state.messages) - 1 and state.messages[state.start]["role"] != "user":
+            state.start += 1
 
 
 def save_conversation(path: str | Path, state: ChatState, drafter: str) -> None:
@@ -87,12 +110,12 @@ def handle_command(line: str, session, state: ChatState) -> str | None:
                 f"little more than a one-token step), drafting {1e3 * s['draft_s']:.1f} ms ({s['draft_us_per_pass']:.0f} us/pass), "
                 f"prefill {s['prefill_tokens']} new / {max(s['prompt_tokens'] - 1 - s['prefill_tokens'], 0)} reused tokens")
     if cmd == "reset":
-        state.messages.clear()
+        state.reset()
         session.reset()
         return "conversation cleared"
     if cmd == "system":
         state.system = arg or None
-        state.messages.clear()
+        state.reset()
         session.reset()
         return f"system prompt {'set' if arg else 'cleared'}; conversation cleared"
     if cmd == "save":
@@ -110,15 +133,19 @@ def handle_command(line: str, session, state: ChatState) -> str | None:
             data = load_conversation(arg)
         except CachebackError as e:
             return f"error: {e}"
-        state.system, state.messages = data.get("system"), list(data["messages"])
+        state.system, state.messages, state.start = data.get("system"), list(data["messages"]), 0
         return f"loaded {len(state.messages)} messages from {arg}"
     return f"unknown command /{cmd} (try /help)"
 
 
-def reply(session, state: ChatState, max_tokens: int, sampling: SamplingParams, write) -> None:
-    """Stream one assistant reply; on Ctrl-C keep what was shown."""
-    messages = ([{"role": "system", "content": state.system}] if state.system else []) + state.messages
-    ids = session.encode(messages, chat=True)
+def reply(session, state: ChatState, max_tokens: int, sampling: SamplingParams, write, note=None) -> None:
+    """Stream one assistant reply; on Ctrl-C keep what was shown. When the conversation outgrows
+    the context, its oldest turns are dropped and `note` says so in one line."""
+    reserve = min(max_tokens, session.loaded.context_length // 4)
+    ids, dropped = fit_context(session, state, reserve)
+    if dropped:
+        (note or write)(f"[context full: the {dropped} oldest message{'s' if dropped > 1 else ''} no longer "
+                        f"fit and {'were' if dropped > 1 else 'was'} dropped; the system prompt stays]\n")
     text = ""
     try:
         for piece, _ in session.stream_ids(ids, max_tokens, sampling):
@@ -195,10 +222,13 @@ def run_chat(session, system: str | None, max_tokens: int, sampling: SamplingPar
             write(out + "\n")
             continue
         state.messages.append({"role": "user", "content": line})
+        start = state.start
         try:
-            reply(session, state, max_tokens, sampling, write)
+            reply(session, state, max_tokens, sampling, write,
+                  note=(lambda t: write(f"\033[2m{t.rstrip()}\033[0m\n")) if interactive else None)
         except CachebackError as e:
             state.messages.pop()
+            state.start = start  # an over-long message drops nothing
             write(f"error: {e}\n")
             continue
         write(f"\033[2m{footer(state.last_stats, session.drafter_name)}\033[0m\n" if interactive

@@ -38,9 +38,13 @@ def drafter_option(fn):
     from .api import DEFAULT_DRAFTER
 
     fn = click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
-                      help="Drafter: none, ngram, cacheback, pld, rest, ssd.")(fn)
+                      help="Drafter: auto, none, ngram, cacheback, pld, rest, ssd.")(fn)
     fn = click.option("--draft-budget", type=int, default=None,
-                      help="Draft tokens per verify pass (default: chosen per backend).")(fn)
+                      help="The most draft tokens per verify pass (default 63; each pass takes as many as "
+                           "pay for themselves, from the measured pass cost).")(fn)
+    fn = click.option("--fixed-budget", is_flag=True,
+                      help="Draft --draft-budget tokens every pass (default: per backend, 7 on a CPU) "
+                           "instead of choosing per pass.")(fn)
     fn = click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE",
                       help="A drafter parameter, e.g. --drafter-arg tdl=32 (repeatable).")(fn)
     return fn
@@ -95,8 +99,8 @@ def main():
 @click.option("--system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @user_errors
-def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_tokens, temp, top_p, top_k,
-             seed, chat, system, stats):
+def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
+             top_k, seed, chat, system, stats):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
     from .api import Session
     from .sampling import SamplingParams
@@ -104,7 +108,8 @@ def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_toke
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
+                      **parse_drafter_args(drafter_args))
     ids = session.encode(prompt, chat=chat, system=system)
     for text, _ in session.stream_ids(ids, max_tokens, sampling):
         click.echo(text, nl=False)
@@ -130,14 +135,15 @@ def generate(prompt, model, dtype, drafter, draft_budget, drafter_args, max_toke
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @user_errors
-def chat(model, dtype, drafter, draft_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed):
+def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .api import Session
     from .chat import run_chat
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
+                      **parse_drafter_args(drafter_args))
     run_chat(session, system, max_tokens, sampling)
 
 
@@ -154,12 +160,14 @@ def chat(model, dtype, drafter, draft_budget, drafter_args, system, max_tokens, 
 @click.option("--batch-size", "-b", default=2048, show_default=True,
               help="Bounds /infill prompts as llama.cpp's batch size does: prefix <= 3/4, suffix <= 1/4 of it.")
 @user_errors
-def serve(host, port, model, dtype, drafter, draft_budget, drafter_args, api_key, max_body, strict_infill, batch_size):
+def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
+          batch_size):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
     from .api import Session
     from .server import serve as run_server
 
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, **parse_drafter_args(drafter_args))
+    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
+                      **parse_drafter_args(drafter_args))
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size)
@@ -209,6 +217,7 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--prompts", default="spec_bench,humaneval", show_default=True, help="Prompt sets (comma list).")
 @click.option("--categories", default=None, help="Only these categories/columns (comma list).")
 @click.option("--per-category", default=2, show_default=True, help="Prompts per category.")
+@click.option("--humaneval-prompts", type=int, default=None, help="HumanEval prompts (default: --per-category).")
 @click.option("--max-tokens", "-n", default=128, show_default=True)
 @click.option("--drafters", default="none,ngram,cacheback", show_default=True, help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
                    "reported under that label: cacheback:frozen=false,cacheback:ll=2:fl=1.")
@@ -224,7 +233,7 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--plot", "plot_out", default=None, help="Write a PNG of speedup per column and drafter.")
 @click.option("--verify-cost", is_flag=True, help="Only measure one pass over B tokens relative to one token.")
 @user_errors
-def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters, drafter_args, draft_budget,
+def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args, draft_budget,
           warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
@@ -236,32 +245,47 @@ def bench(model, dtype, prompts, categories, per_category, max_tokens, drafters,
     from . import bench as B
     from .api import Session
 
-    session = Session(model, "none", dtype=dtype, draft_budget=draft_budget)
+    from .budget import Sizer, cpu_name
+
+    session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
     if verify_cost:
-        cost = B.verify_cost(session)
-        click.echo(f"{'B':>4} {'ms':>8} {'x one token':>12}")
-        for b, t in cost.items():
-            click.echo(f"{b:>4} {t * 1e3:>8.2f} {t / cost[1]:>12.2f}")
+        cost = session.verify_cost(remeasure=True)  # also what per-step budgets use from now on
+        for context in cost.contexts:
+            row = cost.table[context]
+            click.echo(f"{context} cached tokens:\n{'B':>4} {'ms':>8} {'x one token':>12}")
+            for b, t in row.items():
+                click.echo(f"{b:>4} {t * 1e3:>8.2f} {t / row[1]:>12.2f}")
         return
+    cost = session.verify_cost()
     params: dict = {}
     for key, value in parse_drafter_args(drafter_args).items():
         name, _, k = key.partition(".")
         params.setdefault(name, {})[k] = value
-    params.setdefault("ssd", {}).setdefault("persist", False)  # start empty: the saved buffer may hold these answers
+    for name in ("ssd", "auto"):  # start empty: the saved buffer may hold these answers
+        params.setdefault(name, {}).setdefault("persist", False)
     instances = {}
     for label in ["none"] + [n for n in drafters.split(",") if n and n != "none"]:
-        name, *variant = label.split(":")  # e.g. cacheback:frozen=false:tdl=32
-        instances[label] = session.make_drafter(name, **{**params.get(name, {}), **parse_drafter_args(variant)})
+        name, *variant = label.split(":")  # e.g. cacheback:frozen=false:tdl=32, auto:budget=7
+        args = {**params.get(name, {}), **parse_drafter_args(variant)}
+        budget = args.pop("budget", None)  # budget=N: a fixed N per pass; default: chosen per pass
+        fixed = budget is not None and budget != "auto"
+        if fixed and (not isinstance(budget, int) or budget < 0):
+            raise CachebackError(f"{label}: budget must be a number of tokens or 'auto'")
+        instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
+                                 budget if fixed else draft_budget)
     sets = [s for s in prompts.split(",") if s]
-    plist = B.load_prompts(sets, Path(data) if data else B.DATA, per_category, categories.split(",") if categories else None,
-                           seed=seed)
+    plist = []
+    for name in sets:
+        n = humaneval_prompts if name == "humaneval" and humaneval_prompts is not None else per_category
+        plist += B.load_prompts([name], Path(data) if data else B.DATA, n, categories.split(",") if categories else None,
+                                seed=seed)
     if not plist:
         raise CachebackError("no prompts selected")
     runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
     summary = B.summarize(runs)
-    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_name()}",
             "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
-            "draft_budget": session.engine.draft_budget, "max_tokens": max_tokens, "per_category": per_category,
+            "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category, "humaneval_prompts": humaneval_prompts,
             "prompts": sets, "seed": seed}
     click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
     click.echo(B.format_table(summary))
@@ -287,11 +311,13 @@ def doctor(model_spec):
     layer caches by kind and its verify path (draft trees, or chains and why)."""
     import mlx.core as mx
 
-    from .engine import default_draft_budget
+    from .budget import cost_path
+    from .engine import MAX_DRAFT, default_draft_budget
 
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
-    click.echo(f"default draft budget: {default_draft_budget()}")
+    click.echo(f"draft budget: chosen per pass from the measured pass cost, at most {MAX_DRAFT} "
+               f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
     if model_spec is not None:
         from .drafters.base import NoDrafter
         from .engine import Engine

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
 from .kvcache import ModelCache
@@ -37,10 +38,13 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+MAX_DRAFT = 63  # the most draft tokens a per-step budget may choose (63 + the root = one GPU bucket)
+
+
 def default_draft_budget() -> int:
-    """Draft tokens per pass, from the measured cost of a B-token pass relative to one token:
-    on a GPU it is flat up to ~256 tokens (wide trees are free); on this CPU a pass of 8 tokens
-    costs ~1.15x one token and 16 tokens ~1.6x, so 7 draft tokens (+ the root) is the sweet spot
+    """The fixed draft tokens per pass, used when no measured cost is given (budget.Sizer): on a
+    GPU a pass is ~flat up to ~256 tokens; on this CPU 8 tokens cost ~1.15x one token and 16
+    tokens ~1.6x, so 7 draft tokens (+ the root) is the sweet spot there
     (`cacheback-mlx bench --verify-cost`; docs/BENCHMARKS.md)."""
     return 63 if on_gpu() else 7  # GPU: 63 + the root = 64 rows, one shape bucket (GPU_BUCKETS)
 
@@ -60,6 +64,7 @@ class Stats:
     decode_s: float = 0.0  # time of all steps, drafting included
     draft_s: float = 0.0  # time inside the drafter (propose + observe)
     verify_s: float = 0.0  # time of the forward passes (graph building included), until the picks are read
+    stop_token: int | None = None  # the EOS token that ended the generation (None: a token limit)
 
     @property
     def mat(self) -> float:
@@ -129,12 +134,16 @@ class Engine:
     extends the last one (the next chat turn) only prefills its new tokens."""
 
     def __init__(self, model, eos_ids: Sequence[int], drafter: Drafter, context_length: int,
-                 draft_budget: int | None = None, buckets: tuple[int, ...] | None = None):
+                 draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
+                 sizer: Sizer | None = None):
+        """sizer: chooses each pass's draft size from measured pass costs (budget.py), with
+        draft_budget (default MAX_DRAFT) as a cap; without one every pass drafts up to
+        draft_budget (default: per backend)."""
         self.model = model
         self.eos_ids = set(int(t) for t in eos_ids)
         self.drafter = drafter
         self.context_length = context_length
-        self.draft_budget = default_draft_budget() if draft_budget is None else draft_budget
+        self.set_sizer(sizer, draft_budget)
         self.cache = ModelCache(model)
         unplaced = prepare_positions(model)
         self.chain_reason = ("recurrent layers" if self.cache.recurrent else
@@ -147,6 +156,12 @@ class Engine:
         self.lead: list[int] = []  # accepted tokens not yet in the caches; lead[-1] is the root
         self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
         self.stats = Stats()
+
+    def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
+        """Choose each pass's draft size with `sizer` (None: a fixed budget), capped at draft_budget."""
+        self.sizer = sizer
+        default = MAX_DRAFT if sizer is not None else default_draft_budget()
+        self.draft_budget = default if draft_budget is None else draft_budget
 
     def describe(self) -> dict:
         """What this model gets: its layer caches by kind and the verify path (`doctor --model`)."""
@@ -232,6 +247,8 @@ class Engine:
                 lead = self.lead
                 budget = min(self.draft_budget - (len(lead) - 1), max_tokens - stats.tokens - 1,
                              self.context_length - len(self.cached) - len(lead) - 1)
+                if self.sizer is not None:
+                    budget = min(budget, self.sizer.cap(budget, len(self.cached)))
                 t0 = time.perf_counter()
                 tree = DraftTree.empty()
                 if budget > 0:
@@ -239,6 +256,8 @@ class Engine:
                     tree = tree.truncate(budget).keep_valid(self.vocab_size)
                     if self.chain_reason and not tree.is_chain():
                         tree = tree.first_path()
+                    if self.sizer is not None:  # as many nodes as pay for their rows
+                        tree = self.sizer.choose(tree, len(lead), len(self.cached))
                 stats.draft_s += time.perf_counter() - t0
                 # verify: lead + draft in one pass
                 t0 = time.perf_counter()
@@ -248,6 +267,8 @@ class Engine:
                 # accept the longest path the model agrees with, plus its bonus token
                 path, bonus = accept(tree, picks)
                 accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
+                if self.sizer is not None:
+                    self.sizer.update(tree, path)
                 # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                 rows = list(range(len(lead))) + [len(lead) + i for i in path]
                 whole = len(path) == len(tree) and padded_size(len(lead) + len(tree), self.buckets) == len(rows)
@@ -269,6 +290,8 @@ class Engine:
                 stats.draft_s += time.perf_counter() - t0
                 stats.tokens += len(out)
                 stats.accepted += len(out) + (stop is not None and len(out) == stop)
+                if stop is not None and len(out) == stop:
+                    stats.stop_token = accepted[stop]
                 stats.decode_s = time.perf_counter() - t_start
                 if out:
                     yield out

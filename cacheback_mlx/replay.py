@@ -40,6 +40,7 @@ class ReplayResult:
     steps: int  # verify passes
     draft_seconds: float  # time spent in propose + observe
     max_tree: int  # largest tree proposed
+    pass_seconds: float = 0.0  # with a sizer: what the passes would cost by its cost table
 
     @property
     def mat(self) -> float:
@@ -47,22 +48,31 @@ class ReplayResult:
         return self.tokens / max(self.steps, 1)
 
 
-def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budget: int = 96) -> ReplayResult:
-    """Run `drafter` over prompt -> output as the engine would; count passes and accepted tokens."""
+def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budget: int = 96,
+           sizer=None) -> ReplayResult:
+    """Run `drafter` over prompt -> output as the engine would; count passes and accepted tokens.
+    sizer (budget.Sizer): size each pass as the engine's per-step budget does, `budget` the cap."""
     history = list(prompt)
     t0 = time.perf_counter()
     drafter.observe(history)
     draft_s = time.perf_counter() - t0
     pos = steps = max_tree = 0
+    pass_s = 0.0
     while pos < len(output):
         t0 = time.perf_counter()
-        tree = drafter.propose(history, budget)
+        cap = budget if sizer is None else sizer.cap(budget, len(history))
+        tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
+        if sizer is not None:
+            tree = sizer.choose(tree.truncate(cap), 1, len(history))
+            pass_s += sizer.costs(len(history))[1 + len(tree)]
         draft_s += time.perf_counter() - t0
         if len(tree) > budget:
             raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")
         max_tree = max(max_tree, len(tree))
         path = longest_match(tree, output[pos:])
         accepted = [int(tree.tokens[i]) for i in path]
+        if sizer is not None:
+            sizer.update(tree, path)
         if pos + len(accepted) < len(output):
             accepted.append(int(output[pos + len(accepted)]))  # the bonus token
         history.extend(accepted)
@@ -71,7 +81,7 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
         t0 = time.perf_counter()
         drafter.observe(accepted)
         draft_s += time.perf_counter() - t0
-    return ReplayResult(pos, steps, draft_s, max_tree)
+    return ReplayResult(pos, steps, draft_s, max_tree, pass_s)
 
 
 def load_streams(folder: Path = SHARED_STREAMS) -> list[dict]:

@@ -3,6 +3,9 @@
 A draft is a tree of tokens hanging below the root, which is the last accepted token (not yet in
 the KV cache). Node i holds `tokens[i]`; `parents[i]` is the index of its parent node, or -1 when
 its parent is the root. Parents always precede children, so a chain is parents = [-1, 0, 1, ...].
+A drafter may add `scores[i]`: its estimate of the probability that node i is accepted (its whole
+root path matches the model), with nodes listed best first, so that the first n nodes are the best
+n-node tree; the engine then sizes each pass from them (budget.py).
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import numpy as np
 class DraftTree:
     tokens: np.ndarray  # int32 [n]
     parents: np.ndarray  # int32 [n], -1 = child of the root, else an earlier index
+    scores: np.ndarray | None = None  # float [n]: P(node accepted), best first; None = not estimated
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", np.asarray(self.tokens, dtype=np.int32).reshape(-1))
         object.__setattr__(self, "parents", np.asarray(self.parents, dtype=np.int32).reshape(-1))
+        if self.scores is not None:
+            object.__setattr__(self, "scores", np.asarray(self.scores, dtype=np.float64).reshape(-1))
+            if self.scores.shape != self.tokens.shape:
+                raise ValueError("scores must have one value per node")
         if self.tokens.shape != self.parents.shape:
             raise ValueError("tokens and parents must have the same length")
         if len(self.parents) and np.any(self.parents >= np.arange(len(self.parents))):
@@ -77,16 +85,20 @@ class DraftTree:
                 ok[i] = False
         remap = np.cumsum(ok) - 1
         parents = np.where(self.parents[ok] < 0, -1, remap[np.maximum(self.parents[ok], 0)])
-        return DraftTree(self.tokens[ok], parents)
+        return DraftTree(self.tokens[ok], parents, None if self.scores is None else self.scores[ok])
 
     def first_path(self) -> "DraftTree":
         """The chain along each node's first child (drafters list the likeliest child first)."""
-        path, kids, node = [], self.children(), -1
+        path, kids, node, scores = [], self.children(), -1, []
         while kids[node + 1]:
             node = kids[node + 1][0]
             path.append(int(self.tokens[node]))
-        return DraftTree.chain(path)
+            scores.append(None if self.scores is None else self.scores[node])
+        chain = DraftTree.chain(path)
+        return chain if self.scores is None else DraftTree(chain.tokens, chain.parents, scores)
 
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (still a valid tree, as parents precede children)."""
-        return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])
+        if n >= len(self):
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.scores is None else self.scores[:n])

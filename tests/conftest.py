@@ -105,3 +105,28 @@ def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, se
     }
     mx.save_gguf(str(path), arrays, meta)
     return model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_home(tmp_path_factory):
+    """State the runtime keeps on disk (SSD buffers, measured pass costs) goes to a temporary
+    folder, never the user's ~/.cache; one per test session, so costs are measured once."""
+    import os
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def pytest_collection_modifyitems(config, items):
+    """Soak tests (10 minutes) run only when asked for with -m soak, whatever else -m says."""
+    if "soak" in (config.getoption("markexpr") or "") and "not soak" not in config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="soak test: run with -m soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)

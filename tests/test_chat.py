@@ -64,7 +64,7 @@ def test_real_repl_in_a_pseudo_terminal(tmp_path):
     child = pexpect.spawn(sys.executable, ["-m", "cacheback_mlx.cli", "chat", "--max-tokens", "400"],
                           env=env, encoding="utf-8", timeout=120, dimensions=(50, 200))
     try:
-        child.expect(">>> ")
+        child.expect(">>> ", timeout=300)  # the first start measures the pass cost (budget.py)
         child.sendline("What is the capital of France?")
         child.expect("Paris")
         child.expect(r"\[(\d+) tok.*?prefill (\d+) new \+ (\d+) reused")
@@ -95,3 +95,33 @@ def test_real_repl_in_a_pseudo_terminal(tmp_path):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_a_long_chat_on_a_small_context_keeps_answering_exactly(tmp_path):
+    """40 turns on a model with a 256-token context: the oldest turns are dropped (never the
+    system prompt), every turn is answered, and each reply is what a fresh generation over the
+    kept turns gives."""
+    from conftest import write_tiny_gguf
+
+    from cacheback_mlx.api import Session
+    from cacheback_mlx.chat import reply
+    from cacheback_mlx.sampling import SamplingParams
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=256)
+    session = Session(str(tmp_path / "t.gguf"), "auto", ssd_path=str(tmp_path / "ssd"))
+    state = ChatState(system="Be brief.")
+    notes = []
+    for i in range(40):
+        state.messages.append({"role": "user", "content": f"turn {i}: say something"})
+        out = []
+        reply(session, state, 16, SamplingParams(), out.append, note=notes.append)
+        kept_from = state.start  # what the reply saw
+        assert state.messages[-1]["role"] == "assistant"
+        if i in (5, 39):  # the same kept turns, from scratch, with plain decoding
+            fresh = Session(str(tmp_path / "t.gguf"), "none")
+            msgs = [{"role": "system", "content": "Be brief."}] + state.messages[kept_from:-1]
+            assert fresh.generate(msgs, 16) == state.messages[-1]["content"]
+    assert notes and "dropped" in notes[0] and "system prompt stays" in notes[0]
+    assert state.start > 0 and len(state.messages) == 80  # /save still has the whole conversation
+    ids = session.encode([{"role": "system", "content": "Be brief."}] + state.messages[state.start:], chat=True)
+    assert "Be brief." in session.tokenizer.decode(ids) and len(ids) <= 256

@@ -123,30 +123,43 @@ def test_rest_datastore_round_trip_and_errors(tmp_path):
 
 
 def test_ssd_persists_across_runs_and_sets_corrupt_files_aside(tmp_path):
-    path = tmp_path / "buf.npy"
+    path = tmp_path / "store"
     d = SsdDrafter(path=path, capacity=100)
     d.observe([5, 6, 7, 8, 9])
     d.end_request()
     d.wait()
-    assert path.is_file()
+    assert list(path.glob("log-*.bin"))
     again = SsdDrafter(path=path, capacity=100)
     again.wait()
     again.observe([1, 5, 6])
     assert list(again.propose([1, 5, 6], 4).tokens[:3]) == [7, 8, 9]
-    path.write_bytes(b"not numpy")
+    again.store.compact_bytes = 0  # fold the log into base.npz at the next request
+    again.end_request()
+    assert (path / "base.npz").is_file()
+    (path / "base.npz").write_bytes(b"not numpy")
     broken = SsdDrafter(path=path)  # reported in the log, never raised
-    assert path.with_suffix(".corrupt").is_file() and len(broken.buffer) == 0
+    assert (path / "base.corrupt").is_file() and len(broken.buffer) == 0
     broken.observe([1, 2])
     assert len(broken.propose([1, 2], 4)) == 0
 
 
+def test_ssd_stores_are_per_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = SsdDrafter(fingerprint="a" * 40)
+    b = SsdDrafter(fingerprint="b" * 40)
+    assert a.path != b.path and a.path.parent == b.path.parent
+
+
 def test_ssd_buffer_stays_within_its_capacity(tmp_path):
-    d = SsdDrafter(path=tmp_path / "b.npy", capacity=50)
+    d = SsdDrafter(path=tmp_path / "b", capacity=50)
+    d.store.compact_bytes = 200
     for i in range(20):
         d.observe(list(range(i, i + 10)))
         d.end_request()
     d.wait()
-    assert len(d.buffer) == 50 and len(np.load(tmp_path / "b.npy")) <= 50
+    assert len(d.buffer) == 50 and len(SsdDrafter(path=tmp_path / "b", capacity=50).buffer) == 50
+    with np.load(tmp_path / "b" / "base.npz") as z:
+        assert len(z["tokens"]) <= 50
 
 
 def test_ssd_propose_does_not_wait_for_a_rebuild(tmp_path, monkeypatch):

@@ -329,3 +329,37 @@ def test_prefix_only_prompt_heals_the_last_newline(default_model):
     assert rules.visible("  # not yet a new line") == ""
     typed = builder.build("def f(x):\n", "\n", [], "    y = ", 32)  # text on the cursor line: no healing
     assert default_model.tokenizer.decode(typed.ids).endswith("def f(x):\n    y = ") and typed.rules.heal == ""
+
+
+def test_a_prompt_longer_than_the_context_is_cut_from_the_left(tiny_server):
+    """llama.cpp semantics: the oldest tokens go, the reply says truncated, and it is what the
+    engine makes of the kept tokens (the API's truncate=True does the same cut)."""
+    long = "".join(f"line {i}: the quick brown fox\n" for i in range(40))  # ~1200 byte tokens > 256
+    body = {"prompt": long, "n_predict": 8, "response_fields": ["content", "truncated", "tokens_evaluated"]}
+    r = httpx.post(f"{tiny_server}/completion", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["truncated"] is True
+    assert r.json()["tokens_evaluated"] <= 256 - 8
+    r = httpx.post(f"{tiny_server}/v1/completions", json={"prompt": long, "max_tokens": 8}, headers=AUTH, timeout=60)
+    assert r.status_code == 200
+    short = httpx.post(f"{tiny_server}/completion", json={"prompt": "hi", "n_predict": 4}, headers=AUTH, timeout=60)
+    assert short.json()["truncated"] is False
+
+
+def test_the_api_cuts_only_when_asked():
+    from cacheback_mlx.api import truncate_left
+
+    assert truncate_left(list(range(10)), 100, 8) == list(range(10))
+    assert truncate_left(list(range(300)), 256, 8) == list(range(52, 300))  # 248 kept + 8 to generate
+    assert truncate_left(list(range(300)), 256, 1000) == list(range(108, 300))  # reply room: a quarter
+    assert truncate_left([1] + list(range(300)), 256, 8, keep_first=True) == [1] + list(range(53, 300))
+
+
+def test_session_truncates_only_with_the_option(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf", context=128)
+    s = Session(str(tmp_path / "t.gguf"), "none", fixed_budget=True)
+    long = "abc " * 100
+    with pytest.raises(CachebackError, match="does not fit"):
+        s.generate(long, 8, chat=False)
+    ids, cut = s.fit(s.encode(long, chat=False), 8)
+    assert cut and len(ids) == 120
+    assert s.generate(long, 8, chat=False, truncate=True) == "".join(t for t, _ in s.stream_ids(ids, 8))

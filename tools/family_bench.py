@@ -25,7 +25,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, qwen3_5
 
-from cacheback_mlx.bench import engine_verify_cost
+from cacheback_mlx.budget import measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine
@@ -120,7 +120,7 @@ def run_model(name, prompts, max_tokens, drafters, scale):
             r["passes"] += eng.stats.passes
             r["accepted"] += eng.stats.accepted
     eng = Engine(model, [], make_drafter("none"), 8192)
-    cost = engine_verify_cost(eng, sizes=(1, 2, 4, 8, 16), cached=256, repeats=5)
+    cost = measure(eng.model, (1, 2, 4, 8, 16), (256,), repeats=5, vocab=eng.vocab_size, buckets=eng.buckets).table[256]
     return rows, cost, eng.describe()
 
 

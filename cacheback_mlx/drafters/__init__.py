@@ -10,6 +10,7 @@ from .base import Drafter, NoDrafter
 
 # name -> "module:Class" (imported on first use, so optional dependencies stay optional).
 DRAFTERS: dict[str, str] = {
+    "auto": "cacheback_mlx.drafters.auto:AutoDrafter",
     "none": "cacheback_mlx.drafters.base:NoDrafter",
     "ngram": "cacheback_mlx.drafters.ngram:NGramDrafter",
     "cacheback": "cacheback_mlx.drafters.cacheback:CachebackDrafter",

@@ -1,7 +1,8 @@
 """SSD, suffix speculative decoding (../shared/seeds/ssd.md): drafts from everything served before.
 
 Every finished request's tokens (prompt + output) go into one bounded circular buffer shared by
-all requests, and kept on disk between runs, so the runtime drafts better the more it is used. A
+all requests, and kept on disk between runs (ssd_store.py: one store per tokenizer, shared by
+every process using it), so the runtime drafts better the more it is used. A
 suffix array over the buffer is rebuilt in a background thread after each request; queries use
 the last finished index and never wait for a rebuild. The request in progress is searched too
 (its own history), since it is not in the index yet. Drafts: the most frequent continuations of
@@ -20,24 +21,30 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import Drafter
+from .ssd_store import SsdStore
 from .suffix import SEP, SuffixIndex, trie_tree
 
 log = logging.getLogger(__name__)
 
 
-def default_path() -> Path:
+def default_path(fingerprint: str | None = None) -> Path:
+    """One store per tokenizer: token ids mean nothing under another vocabulary."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cacheback-mlx" / "ssd_buffer.npy"
+    return Path(base) / "cacheback-mlx" / "ssd" / (fingerprint[:16] if fingerprint else "unknown-tokenizer")
 
 
 class SsdDrafter(Drafter):
     name = "ssd"
 
     def __init__(self, path: str | Path | None = None, capacity: int = 4_000_000, max_n: int = 16,
-                 length: int = 10, top_k: int = 16, max_count: int = 64, persist: bool = True):
-        self.path = Path(path) if path else default_path()
+                 length: int = 10, top_k: int = 16, max_count: int = 64, persist: bool = True,
+                 fingerprint: str | None = None):
+        """path: the store's folder (default: one per tokenizer `fingerprint` under the user's
+        cache); persist=False keeps the buffer in memory only."""
+        self.path = Path(path) if path else default_path(fingerprint)
         self.capacity, self.max_n, self.length = capacity, max_n, length
         self.top_k, self.max_count, self.persist = top_k, max_count, persist
+        self.store = SsdStore(self.path, capacity) if persist else None
         self.buffer = self._load()  # chronological tokens, at most `capacity`
         self.index: SuffixIndex | None = None
         self._lock = threading.Lock()
@@ -47,24 +54,13 @@ class SsdDrafter(Drafter):
 
     # -- persistence ---------------------------------------------------------------------
     def _load(self) -> np.ndarray:
-        if not self.persist or not self.path.is_file():
+        if self.store is None:
             return np.zeros(0, np.int32)
         try:
-            buf = np.load(self.path, allow_pickle=False)
-            if buf.ndim != 1 or buf.dtype != np.int32:
-                raise ValueError(f"unexpected array {buf.dtype} {buf.shape}")
-            return buf[-self.capacity:]
-        except (OSError, ValueError, EOFError) as e:
-            aside = self.path.with_suffix(".corrupt")
-            log.warning("ssd: %s is unreadable (%s); moved aside to %s", self.path, e, aside)
-            os.replace(self.path, aside)
+            return self.store.load()
+        except OSError as e:
+            log.warning("ssd: cannot read the store %s: %s; starting empty", self.path, e)
             return np.zeros(0, np.int32)
-
-    def _save(self, buf: np.ndarray) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp.npy")
-        np.save(tmp, buf)
-        os.replace(tmp, self.path)
 
     # -- the buffer and its index --------------------------------------------------------
     def _start_rebuild(self) -> None:
@@ -76,11 +72,6 @@ class SsdDrafter(Drafter):
             index = SuffixIndex(buf)
             with self._lock:
                 self.index = index
-            if self.persist:
-                try:
-                    self._save(buf)
-                except OSError as e:
-                    log.warning("ssd: cannot save %s: %s", self.path, e)
 
         self._rebuild = threading.Thread(target=work, daemon=True, name="ssd-index")
         self._rebuild.start()
@@ -98,8 +89,15 @@ class SsdDrafter(Drafter):
         if not self._request:
             return
         new = np.asarray(self._request + [SEP], np.int32)
-        self.buffer = np.concatenate([self.buffer, new])[-self.capacity:]
         self._request = []
+        if self.store is not None:
+            try:  # also brings in what other processes served meanwhile
+                self.buffer = self.store.append(new, self.buffer)
+                self._start_rebuild()
+                return
+            except OSError as e:
+                log.warning("ssd: cannot write the store %s: %s", self.path, e)
+        self.buffer = np.concatenate([self.buffer, new])[-self.capacity:]
         self._start_rebuild()
 
     def reset(self) -> None:

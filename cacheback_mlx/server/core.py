@@ -165,7 +165,11 @@ class Generator:
         self.worker.shutdown(wait=True)
 
     def check(self, job: Job) -> None:
-        """Refuse what the engine would refuse, before any response starts."""
+        """Refuse what the engine would refuse, before any response starts. A prompt longer than
+        the context loses its oldest tokens first, as llama.cpp does (`truncated: true`)."""
+        ids, cut = self.session.fit(job.ids, job.max_tokens or 1)
+        if cut:
+            job.ids, job.truncated = ids, True
         self.session.engine.check(job.ids, job.max_tokens)
 
     def steps(self, job: Job, offset: int = 0) -> Iterator[str]:

@@ -1,0 +1,272 @@
+"""How many draft tokens each pass gets: the count that maximises expected tokens per second.
+
+A pass over r rows costs cost(r) seconds (measured once per model, device and dtype: `measure`,
+cached on disk, re-measured by `cacheback-mlx bench --verify-cost`). A tree whose first n nodes
+have acceptance probabilities s_1..s_n (DraftTree.scores: each node's whole root path accepted)
+yields 1 + s_1 + ... + s_n tokens on average, the model's own token included. Each step keeps the
+n that maximises (1 + sum s) / cost(lead + n): 0 drafts when nothing is likely to be accepted,
+the whole budget when drafts are sure and rows are cheap. Drafters that give no scores get a
+default estimate: per depth and rank among siblings, learned from their passes (RankRates).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # rows measured (linear in between: a few seconds in all)
+CONTEXTS = (256, 1024)  # cached tokens measured (attention over a longer cache costs more per row)
+FORMAT = "cacheback-verify-cost/1"
+
+
+class CostTable:
+    """Seconds per pass by (cached tokens, rows), interpolated between measured points."""
+
+    def __init__(self, table: dict[int, dict[int, float]], buckets: tuple[int, ...] | None = None):
+        self.contexts = sorted(int(c) for c in table)
+        self.table = {int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in table.items()}
+        if not self.contexts or any(not rows for rows in self.table.values()):
+            raise ValueError("empty cost table")
+        self.buckets = buckets
+
+    def _at(self, context: int, rows: int) -> float:
+        points = self.table[context]
+        sizes = sorted(points)
+        if self.buckets:  # a pass is padded to its bucket: it costs what the bucket costs
+            i = bisect.bisect_left(self.buckets, rows)
+            rows = self.buckets[i] if i < len(self.buckets) else rows
+        i = bisect.bisect_left(sizes, rows)
+        if i < len(sizes) and sizes[i] == rows:
+            return points[rows]
+        lo, hi = (sizes[-2], sizes[-1]) if i >= len(sizes) else (sizes[max(i - 1, 0)], sizes[i])
+        if lo == hi:
+            return points[lo]
+        return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
+
+    def cost(self, rows: int, context: int = 0) -> float:
+        """Seconds for a pass of `rows` rows over `context` cached tokens."""
+        cs = self.contexts
+        if len(cs) == 1:
+            return self._at(cs[0], rows)
+        j = min(max(bisect.bisect_left(cs, context), 1), len(cs) - 1)
+        lo, hi = cs[j - 1], cs[j]
+        context = min(max(context, lo), 4 * hi)  # extrapolate past the longest measured, not wildly
+        a, b = self._at(lo, rows), self._at(hi, rows)
+        return max(a + (b - a) * (context - lo) / (hi - lo), 1e-9)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "seconds": {str(c): {str(r): t for r, t in rows.items()} for c, rows in self.table.items()}}
+
+    @staticmethod
+    def from_json(data: dict, buckets: tuple[int, ...] | None = None) -> "CostTable":
+        if data.get("format") != FORMAT:
+            raise ValueError("not a verify-cost file")
+        return CostTable({int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in data["seconds"].items()}, buckets)
+
+
+def best_size(scores: np.ndarray, lead: int, costs: np.ndarray) -> int:
+    """The n in 0..len(scores) maximising (1 + scores[:n].sum()) / costs[lead + n]
+    (costs[r]: seconds of a pass of r rows)."""
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])
+    return int(np.argmax(expected / costs[lead : lead + len(expected)]))
+
+
+class RankRates:
+    """The default estimate for trees without scores. Drafters list the likelier children first,
+    so a node is described by its depth and its rank among its siblings; per (depth, rank) this
+    learns P(node accepted | parent accepted) from every pass (each sent node whose parent was
+    accepted is labelled). Before any pass: 0.6 for a first child, 0.15 for the others."""
+
+    DEPTHS, RANKS = 12, 4
+
+    def __init__(self):
+        self.hits = np.full((self.DEPTHS + 1, self.RANKS + 1), 0.3)
+        self.hits[:, 0] = 1.2
+        self.trials = np.full((self.DEPTHS + 1, self.RANKS + 1), 2.0)
+
+    def cells(self, tree: DraftTree) -> np.ndarray:
+        """[n, 2]: each node's (depth, rank among its siblings), both capped."""
+        rank = np.zeros(len(tree), np.int64)
+        seen: dict[int, int] = {}
+        for i, p in enumerate(tree.parents.tolist()):
+            rank[i] = seen.get(p, 0)
+            seen[p] = rank[i] + 1
+        return np.stack([np.minimum(tree.depths(), self.DEPTHS), np.minimum(rank, self.RANKS)], axis=1)
+
+    def scores(self, tree: DraftTree, cells: np.ndarray) -> np.ndarray:
+        """Each node's path probability: the product of the estimates down from the root."""
+        p = (self.hits / self.trials)[cells[:, 0], cells[:, 1]]
+        out = np.empty(len(tree))
+        for i, par in enumerate(tree.parents.tolist()):
+            out[i] = p[i] * (out[par] if par >= 0 else 1.0)
+        return out
+
+    def update(self, tree: DraftTree, cells: np.ndarray, path: list[int]) -> None:
+        on = set(path)
+        for i, par in enumerate(tree.parents.tolist()):
+            if par < 0 or par in on:  # its parent was accepted: this node is labelled
+                self.trials[cells[i, 0], cells[i, 1]] += 1
+                self.hits[cells[i, 0], cells[i, 1]] += i in on
+
+
+def best_first(tree: DraftTree, scores: np.ndarray) -> tuple[DraftTree, list[int]]:
+    """The tree's nodes reordered best first (ties: the drafter's order, which puts parents
+    first), so every prefix is the best tree of its size, and the new order as old indices;
+    parents still precede children (a path probability never exceeds its parent's)."""
+    order = sorted(range(len(tree)), key=lambda i: (-scores[i], i))
+    new = {old: k for k, old in enumerate(order)}
+    parents = [-1 if tree.parents[i] < 0 else new[int(tree.parents[i])] for i in order]
+    return DraftTree(tree.tokens[order], parents, scores[order]), order
+
+
+class Sizer:
+    """Chooses each pass's draft size for the engine (the per-step budget)."""
+
+    MAX_ROWS = 256
+    CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
+
+    def __init__(self, cost: CostTable):
+        self.cost = cost
+        self.rates = RankRates()
+        self._idle = 0
+        self.used = 8.0  # recent draft sizes chosen (a moving average)
+        self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
+        self._costs: dict[int, np.ndarray] = {}
+        self._caps: dict[tuple[int, int], int] = {}
+
+    def costs(self, context: int) -> np.ndarray:
+        """Seconds of a pass of r rows (index r) at about this context."""
+        key = context // self.CONTEXT_STEP
+        vec = self._costs.get(key)
+        if vec is None:
+            c = key * self.CONTEXT_STEP
+            vec = self._costs[key] = np.array([self.cost.cost(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
+        return vec
+
+    def cap(self, limit: int, context: int) -> int:
+        """How many draft tokens to ask the drafter for: about twice what recent passes used
+        (a bigger candidate tree costs drafting time every step), and never past the rows a pass
+        can have before it costs 2x a one-token step: beyond that a pass pays only if more than
+        one draft token is expected per extra step's worth of rows, rare outside long exact
+        repeats (--draft-budget lowers the cap too)."""
+        limit = min(limit, self.MAX_ROWS - 8)
+        key = (limit, context // self.CONTEXT_STEP)
+        if key not in self._caps:
+            vec = self.costs(context)
+            self._caps[key] = max([n for n in range(limit + 1) if vec[n + 1] <= 2.0 * vec[1]], default=0)
+        return min(self._caps[key], max(4, int(2 * self.used) + 2))
+
+    def choose(self, tree: DraftTree, lead: int, context: int) -> DraftTree:
+        """The first n nodes of the tree, n chosen for the most expected tokens per second."""
+        if not len(tree):
+            return tree
+        cells = None
+        if tree.scores is None:  # our estimate, kept with the nodes' cells for update()
+            cells = self.rates.cells(tree)
+            tree, order = best_first(tree, self.rates.scores(tree, cells))
+            cells = cells[order]
+        scores = tree.scores[: self.MAX_ROWS - lead]
+        n = best_size(scores, lead, self.costs(context))
+        self.used += 0.1 * (n - self.used)
+        if n == 0 and cells is not None:  # unscored drafters only learn from drafts they send:
+            self._idle += 1  # now and then send one node, or a low estimate could never recover
+            n = 1 if self._idle % 8 == 0 else 0
+        tree = tree.truncate(n)
+        if cells is not None:
+            self._sent = (tree, cells[:n])
+            tree = DraftTree(tree.tokens, tree.parents)  # not the drafter's scores
+        return tree
+
+    def update(self, tree: DraftTree, path: list[int]) -> None:
+        """After a pass over `tree`: `path` lists the accepted nodes."""
+        if tree.scores is None and self._sent is not None and len(self._sent[0]) == len(tree):
+            self.rates.update(tree, self._sent[1], path)
+        self._sent = None
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int = 32,
+            buckets: tuple[int, ...] | None = None) -> CostTable:
+    """Time of a pass over r rows after c cached tokens, for each c in contexts and r in sizes.
+    Sizes are measured round-robin, `repeats` rounds after a warm-up round (a new shape may
+    compile), and the fastest time of each is kept: a busy machine slows some passes, never
+    speeds them up, and round-robin spreads a slow spell over every size alike. Uses its own
+    caches (the model's real ones are not touched); each pass is undone."""
+    from .kvcache import ModelCache
+    from .verify import padded_size, prefill, verify_pass
+
+    cache = ModelCache(model)
+    table: dict[int, dict[int, float]] = {}
+    done = 0
+    rows = sorted({padded_size(s, buckets) for s in sizes})
+    for c in sorted(contexts):
+        prefill(model, cache, [(100 + i) % vocab for i in range(done, c)])
+        done = c
+        best = {r: float("inf") for r in rows}
+        for round_ in range(repeats + 1):
+            for r in rows:
+                draft = DraftTree.chain([(7 + i) % vocab for i in range(r - 1)])
+                t0 = time.perf_counter()
+                mx.eval(verify_pass(model, cache, [5], draft, buckets))
+                t = time.perf_counter() - t0
+                cache.finish_pass([], whole=False)
+                if round_:
+                    best[r] = min(best[r], t)
+        table[c] = best
+    return CostTable(table, buckets)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_path(model_key: str) -> Path:
+    """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx)."""
+    ident = "|".join([model_key, str(mx.default_device()), cpu_name(), mx.__version__])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")
+
+
+def load_or_measure(model, model_key: str, context_length: int, buckets: tuple[int, ...] | None = None,
+                    vocab: int = 32, remeasure: bool = False) -> CostTable:
+    """The cached table for this model and machine, or a new measurement (a few seconds), saved."""
+    path = cost_path(model_key)
+    if not remeasure and path.is_file():
+        try:
+            return CostTable.from_json(json.loads(path.read_text()), buckets)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("verify cost: %s is unreadable (%s); measuring again", path, e)
+    contexts = tuple(c for c in CONTEXTS if c + max(SIZES) < context_length) or (max(1, context_length // 4),)
+    sizes = tuple(s for s in SIZES if contexts[-1] + s < context_length)
+    print("cacheback-mlx: measuring the cost of a verify pass for this model and machine (once; "
+          f"cached in {path.parent})", file=sys.stderr, flush=True)
+    table = measure(model, sizes, contexts, vocab=vocab, buckets=buckets)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**table.to_json(), "model": model_key, "device": str(mx.default_device()),
+                                   "cpu": cpu_name(), "mlx": mx.__version__}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("verify cost: cannot save %s: %s", path, e)
+    return table

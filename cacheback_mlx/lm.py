@@ -1,0 +1,138 @@
+"""mlx-lm's API shape over this engine: an mlx-lm user switches by changing one import.
+
+    from cacheback_mlx.lm import load, stream_generate, generate   # was: from mlx_lm import ...
+    model, tokenizer = load("mlx-community/Qwen2.5-0.5B-Instruct-4bit")
+    for r in stream_generate(model, tokenizer, "Hello", max_tokens=64):
+        print(r.text, end="")
+
+Responses have mlx-lm's GenerationResponse fields (text, token, logprobs, from_draft, prompt_tokens,
+prompt_tps, generation_tokens, generation_tps, peak_memory, finish_reason), one per token as in
+mlx-lm (the last one carries finish_reason "stop" with the EOS token, or "length"), plus the
+drafting counters of the generation so far (passes, mat). Differences: `logprobs` is None (the
+engine does not compute a full distribution per token), `from_draft` is True for tokens that
+came from an accepted draft, and sampling is set with temperature / top_p / top_k / seed instead
+of a `sampler` callable (sample-and-match needs the distribution itself).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from .api import DEFAULT_DRAFTER, Session, load_cached
+from .errors import CachebackError
+from .loader import LoadedModel
+from .sampling import SamplingParams
+
+_sessions: dict[int, Session] = {}  # id(model) -> its Session (checked: same model object)
+_loaded: dict[int, LoadedModel] = {}  # id(model) -> how it was loaded
+
+
+@dataclass
+class GenerationResponse:
+    text: str
+    token: int
+    logprobs: object
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+    passes: int = 0  # verify passes so far
+    mat: float = 0.0  # mean tokens per pass so far
+
+
+def load(path_or_hf_repo: str | None = None, dtype: str | None = None):
+    """(model, tokenizer) for a GGUF file, an mlx-lm folder, a Hugging Face repo id or an alias;
+    None is the embedded default model."""
+    loaded = load_cached(path_or_hf_repo, dtype)
+    _loaded[id(loaded.model)] = loaded
+    return loaded.model, loaded.tokenizer
+
+
+def _session(model, tokenizer, drafter: str, draft_budget: int | None) -> Session:
+    session = _sessions.get(id(model))
+    if session is None or session.loaded.model is not model or session.tokenizer is not tokenizer:
+        loaded = _loaded.get(id(model))
+        if loaded is None or loaded.model is not model or loaded.tokenizer is not tokenizer:  # mlx_lm.load
+            args = getattr(model, "args", None)
+            context = int(getattr(args, "max_position_embeddings", 0) or 4096)
+            loaded = LoadedModel(model, tokenizer, type(model).__module__, "caller", context, "native", None)
+        session = _sessions[id(model)] = Session(loaded, drafter, draft_budget=draft_budget)
+    if session.drafter_name != drafter:
+        session.set_drafter(drafter)
+    return session
+
+
+def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, max_tokens: int = 256,
+                    drafter: str = DEFAULT_DRAFTER, draft_budget: int | None = None, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **kwargs) -> Iterator[GenerationResponse]:
+    """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
+    if kwargs.get("sampler") is not None or kwargs.get("logits_processors"):
+        raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler or logits processors")
+    unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
+                             "prompt_progress_callback", "num_draft_tokens"}
+    if unknown or kwargs.get("draft_model") is not None:
+        raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown)) or 'draft_model'}")
+    if max_tokens == 0:
+        raise CachebackError("max_tokens must be non-zero (use -1 for no limit)")
+    session = _session(model, tokenizer, drafter, draft_budget)
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+    else:
+        ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    limit = session.loaded.context_length if max_tokens < 0 else max_tokens
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eng, n, last = session.engine, 0, None
+    tic = time.perf_counter()
+    for step in eng.generate(ids, limit, sampling):
+        for i, token in enumerate(step):
+            n += 1
+            detok.add_token(token)
+            if last is not None:
+                yield last
+            stats = eng.stats
+            last = GenerationResponse(detok.last_segment, int(token), None, i < len(step) - 1, len(ids),
+                                      _prompt_tps(stats), n, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
+                                      mx.get_peak_memory() / 1e9, None, stats.passes, stats.mat)
+    stats = eng.stats
+    detok.finalize()
+    stop = stats.stop_token
+    if stop is not None:  # mlx-lm ends with the EOS token itself, finish_reason "stop"
+        if last is not None:
+            yield last
+        last = GenerationResponse(detok.last_segment, stop, None, False, len(ids), _prompt_tps(stats), n + 1,
+                                  n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
+                                  mx.get_peak_memory() / 1e9, "stop", stats.passes, stats.mat)
+    elif last is not None:
+        last.text += detok.last_segment
+        last.finish_reason = "length"
+        last.passes, last.mat = stats.passes, stats.mat
+    if last is not None:
+        yield last
+
+
+def _prompt_tps(stats) -> float:
+    return stats.prompt_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs) -> str:
+    """The whole text, as mlx_lm.generate returns it."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print(f"\nPrompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"
+              f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec "
+              f"({last.passes} passes, {last.mat:.2f} tokens per pass)\nPeak memory: {last.peak_memory:.3f} GB")
+    return text

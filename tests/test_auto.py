@@ -1,0 +1,277 @@
+"""The auto drafter (merged sources, scored nodes) and the per-step draft budget (budget.py)."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import zoo
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from mlx_lm.generate import generate_step
+
+from cacheback_mlx.budget import CostTable, RankRates, Sizer, best_size, load_or_measure, measure
+from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters.auto import AutoDrafter
+from cacheback_mlx.drafters.base import Drafter, NoDrafter
+from cacheback_mlx.drafters.scorer import Scorer
+from cacheback_mlx.engine import Engine
+from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay
+from cacheback_mlx.tree import DraftTree
+
+PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
+
+
+def flat_costs(per_row: float, rows: int = 80) -> np.ndarray:
+    """costs[r] = 1 + per_row * (r - 1): a linear synthetic cost curve (index 0 unused)."""
+    return np.array([1.0] + [1.0 + per_row * (r - 1) for r in range(1, rows + 1)])
+
+
+# -- the budget rule -------------------------------------------------------------------------
+def test_budget_rule_drafts_nothing_when_nothing_is_accepted():
+    assert best_size(np.zeros(40), 1, flat_costs(0.01)) == 0
+    assert best_size(np.full(40, 1e-4), 1, flat_costs(0.001)) == 0
+
+
+def test_budget_rule_takes_the_whole_budget_when_drafts_are_always_right():
+    assert best_size(np.ones(40), 1, flat_costs(0.2)) == 40
+    assert best_size(np.ones(63), 1, flat_costs(0.0)) == 63
+
+
+def test_budget_rule_follows_a_synthetic_cost_curve():
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # brute force over every size, random curves and decaying scores
+        scores = np.cumprod(rng.uniform(0.3, 1.0, 30))
+        costs = np.concatenate([[1.0], np.cumsum(rng.uniform(0.0, 0.5, 40)) + 1.0])
+        rate = [(1 + scores[:n].sum()) / costs[1 + n] for n in range(31)]
+        assert best_size(scores, 1, costs) == int(np.argmax(rate))
+    # a step curve (a GPU bucket): rows up to 8 cost the same, then a pass costs 2x
+    step = np.array([1.0] + [1.0 if r <= 8 else 2.0 for r in range(1, 80)])
+    chain = 0.8 ** np.arange(1, 31)  # a chain: each token accepted with 0.8 given its parent
+    assert best_size(chain, 1, step) == 7
+    # the lead's rows come out of the same curve (recurrent models after an undone pass)
+    assert best_size(chain, 3, step) == 5
+
+
+def test_cost_table_interpolates_rows_contexts_and_buckets():
+    t = CostTable({256: {1: 1.0, 8: 1.2, 16: 2.0}, 1024: {1: 1.0, 8: 2.0, 16: 3.0}})
+    assert t.cost(8, 256) == pytest.approx(1.2)
+    assert t.cost(12, 256) == pytest.approx(1.6)  # halfway between 8 and 16
+    assert t.cost(32, 256) == pytest.approx(3.6)  # past the last point: the last slope (0.1/row) goes on
+    assert t.cost(8, 640) == pytest.approx(1.6)  # halfway between the two contexts
+    assert t.cost(8, 0) == pytest.approx(1.2)  # below the shortest: the shortest
+    gpu = CostTable({256: {1: 1.0, 8: 1.5, 16: 1.5}}, buckets=(1, 8, 16))
+    assert gpu.cost(3) == gpu.cost(8) == 1.5
+    assert CostTable.from_json(t.to_json()).cost(12, 640) == pytest.approx(t.cost(12, 640))
+    with pytest.raises(ValueError):
+        CostTable.from_json({"format": "x"})
+
+
+def test_sizer_caps_and_sizes_trees_from_a_fake_cost_table():
+    sizer = Sizer(CostTable({256: {1: 1.0, 8: 1.1, 16: 1.5, 32: 3.0}}))
+    assert sizer.cap(63, 100) == 18  # about twice what recent passes used (8 at the start)
+    assert sizer.cap(5, 100) == 5  # --draft-budget still caps
+    sure = DraftTree.chain(list(range(15)))
+    sure = DraftTree(sure.tokens, sure.parents, np.ones(15))
+    for _ in range(20):
+        assert len(sizer.choose(sure, 1, 100)) == 15
+    assert sizer.cap(63, 100) == 20  # then the cost: 21 rows cost 1.97x one token, 22 rows 2.06x
+    hopeless = DraftTree(sure.tokens, sure.parents, np.full(15, 0.01))
+    assert len(sizer.choose(hopeless, 1, 100)) == 0
+
+
+def test_unscored_drafters_get_a_depth_and_rank_estimate_that_learns():
+    rates = RankRates()
+    tree = DraftTree([1, 9, 2, 8, 3, 4], [-1, -1, 0, 0, 2, 4])  # 1 2 3 4 with wrong siblings 9, 8
+    cells = rates.cells(tree)
+    assert cells.tolist() == [[1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [4, 0]]
+    for _ in range(300):
+        rates.update(tree, cells, [0, 2])  # the model takes 1, 2, then never 3
+    s = rates.scores(tree, cells)
+    assert s[0] > 0.95 and s[2] > 0.9 and s[1] < 0.05 and s[3] < 0.05 and s[4] < 0.05
+    sizer = Sizer(CostTable({256: {1: 1.0, 8: 1.3, 64: 4.0}}))
+    sizer.rates = rates
+    sent = sizer.choose(tree, 1, 0)  # best first: 1, then 2; the rest does not pay
+    assert sent.tokens.tolist() == [1, 2] and sent.parents.tolist() == [-1, 0] and sent.scores is None
+    sizer.update(sent, [0, 1])
+    assert rates.trials[2, 0] > 302  # learned from what was sent, in the drafter's own terms
+
+
+# -- the scorer ------------------------------------------------------------------------------
+def test_scores_converge_on_sources_with_known_acceptance_rates():
+    rng = random.Random(0)
+    scorer = Scorer()
+    rates = {("src", 1): 0.3, ("src", 2): 0.8, ("other", 0): 0.05}
+    for _ in range(30000):
+        f = rng.choice(list(rates))
+        scorer.update([f], rng.random() < rates[f])
+    for f, p in rates.items():
+        assert scorer.p([f]) == pytest.approx(p, abs=0.04), f
+
+
+def test_every_candidate_is_labelled_against_the_model_s_tokens():
+    seen = []
+
+    class Spy(Scorer):
+        def update(self, feats, accepted):
+            seen.append((feats, accepted))
+
+    # root -> 10 (-> 11 -> 12, -> 13), root -> 20; the model produced 10 11 99
+    tokens, parents = [10, 20, 11, 13, 12], [-1, -1, 0, 0, 2]
+    n = Spy().learn_trie(tokens, parents, lambda i: i, [10, 11, 99])
+    assert seen == [(0, True), (1, False), (2, True), (3, False), (4, False)] and n == 5
+
+
+# -- the auto drafter ------------------------------------------------------------------------
+def test_auto_trees_are_scored_best_first_within_budget(tmp_path):
+    d = AutoDrafter(ssd_path=tmp_path / "ssd.npy", persist=False)
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 6 + [1, 2, 3, 40, 41, 1, 2, 3]
+    d.observe(text)
+    for budget in (1, 3, 7, 15, 40):
+        tree = d.propose(text, budget)
+        assert 0 < len(tree) <= budget and tree.scores is not None
+        assert np.all(np.diff(tree.scores) <= 1e-12)  # best first: every prefix is the best tree
+        for i, p in enumerate(tree.parents):
+            assert p < i and (p < 0 or tree.scores[i] <= tree.scores[p])
+        chain = d.propose(text, budget, max_branching=1)
+        assert chain.is_chain() and len(chain) <= budget
+    tree = d.propose(text, 7)
+    assert {4, 40} <= {int(tree.tokens[c]) for c in tree.children()[0]}  # "1 2 3" was followed by both
+
+
+def test_auto_scores_are_calibrated_after_learning():
+    """On a noisy repeating stream the scores' sum (expected accepted drafts) tracks what is
+    actually accepted, step by step: what the per-step budget relies on."""
+    rng = random.Random(0)
+    phrase = [rng.randrange(100, 200) for _ in range(24)]
+    stream = [t if rng.random() > 0.15 else rng.randrange(200, 300) for _ in range(40) for t in phrase]
+    d = AutoDrafter(ssd=False, frozen=False)
+    history, pos, expected, accepted = list(stream[:48]), 48, [], []
+    d.observe(history)
+    while pos < len(stream) - 8:
+        tree = d.propose(history, 7)
+        kids = tree.children()
+        node, n = -1, 0
+        while True:  # the longest root path that matches the stream (greedy acceptance)
+            nxt = next((c for c in kids[node + 1] if tree.tokens[c] == stream[pos + n]), None)
+            if nxt is None:
+                break
+            node, n = nxt, n + 1
+        expected.append(float(tree.scores.sum()) if len(tree) else 0.0)
+        accepted.append(n)
+        out = stream[pos : pos + n + 1]
+        history += out
+        pos += len(out)
+        d.observe(out)
+    late = slice(len(accepted) // 3, None)  # after a warm-up
+    assert np.mean(accepted[late]) > 1.0  # the stream is predictable, and drafts find it
+    assert np.mean(expected[late]) == pytest.approx(np.mean(accepted[late]), rel=0.25)
+
+
+@pytest.mark.skipif(not (SHARED_STREAMS / "greedy_outputs.json").is_file(), reason="needs ../shared data")
+def test_auto_beats_each_of_its_sources_on_recorded_streams():
+    """Exact MAT on recorded greedy streams of the default model (the full table is in
+    docs/BENCHMARKS.md; this checks the direction on a few streams)."""
+    streams = load_streams()[::8]
+    def mat(make):
+        tokens = steps = 0
+        d = make()
+        for s in streams:
+            d.reset()
+            r = replay(d, s["prompt"], s["out"], 7)
+            d.end_request()
+            tokens, steps = tokens + r.tokens, steps + r.steps
+        return tokens / steps
+    auto = mat(lambda: AutoDrafter(persist=False))
+    for name, make in {"cacheback": lambda: make_drafter("cacheback"), "pld": lambda: make_drafter("pld"),
+                       "ssd": lambda: make_drafter("ssd", persist=False)}.items():
+        assert auto > mat(make), name
+
+
+# -- the engine with a per-step budget: lossless, and the sizes follow acceptance --------------
+SIZER = Sizer(CostTable({256: {1: 1.0, 8: 1.1, 16: 1.4, 32: 2.2, 64: 4.0}}))
+
+
+def reference(model, prompt, n):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def run(model, drafter, prompt=PROMPT, n=40, sizer=None):
+    eng = Engine(model, eos_ids=[], drafter=drafter, context_length=4096, sizer=sizer or Sizer(SIZER.cost))
+    return [t for s in eng.generate(prompt, n) for t in s], eng
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_per_step_budget_is_lossless_with_adversarial_drafters(family, tmp_path):
+    model = zoo.tiny_model(family)
+    prompt = PROMPT * 3
+    truth = reference(model, prompt, 40)
+    drafters = {"oracle": OracleDrafter(prompt, truth), "oracle-tree": OracleDrafter(prompt, truth, 2),
+                "wrong": WrongDrafter(lambda h: truth[len(h) - len(prompt)] if len(h) - len(prompt) < 40 else 0),
+                "random": RandomTreeDrafter(prompt, truth, seed=3),
+                "auto": AutoDrafter(ssd_path=tmp_path / "ssd.npy")}
+    for name, d in drafters.items():
+        out, eng = run(model, d, prompt)
+        assert out == truth, (family, name)
+
+
+def test_per_step_budget_drafts_less_for_a_wrong_drafter_and_all_for_a_right_one():
+    model = zoo.tiny_model("llama")
+    truth = reference(model, PROMPT, 60)
+    _, right = run(model, OracleDrafter(PROMPT, truth), n=60)
+    cap = SIZER.cap(63, 0)
+    # the estimate starts cautious (0.6 per depth) and climbs with every sure pass
+    assert cap > 16 and right.stats.passes <= 10 and right.stats.drafted >= 50
+    wrong = WrongDrafter(lambda h: truth[len(h) - len(PROMPT)] if len(h) - len(PROMPT) < 60 else 0)
+    steep = Sizer(CostTable({256: {1: 1.0, 2: 1.3, 8: 2.0}}))  # a draft row costs 30% of a step
+    _, bad = run(model, wrong, n=60, sizer=steep)
+    assert bad.stats.passes == 60
+    assert bad.stats.drafted <= 25  # a fixed budget would have sent 5 per pass (300)
+
+
+class Counting(Drafter):
+    def __init__(self):
+        self.budgets = []
+
+    def propose(self, history, budget, max_branching=None):
+        self.budgets.append(budget)
+        return DraftTree.empty()
+
+
+def test_draft_budget_still_caps_the_per_step_budget():
+    model = zoo.tiny_model("llama")
+    d = Counting()
+    eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=5, sizer=Sizer(SIZER.cost))
+    list(eng.generate(PROMPT, 6))
+    assert d.budgets and max(d.budgets) == 5
+    d2 = Counting()
+    eng = Engine(model, eos_ids=[], drafter=d2, context_length=4096, sizer=Sizer(SIZER.cost))
+    list(eng.generate(PROMPT, 60))
+    assert max(d2.budgets) == SIZER.cap(63, 0)
+
+
+def test_pass_costs_are_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = zoo.tiny_model("llama")
+    t = load_or_measure(model, "tiny-llama", 4096, vocab=zoo.VOCAB)
+    files = list((tmp_path / "cacheback-mlx" / "verify-cost").glob("*.json"))
+    assert len(files) == 1 and t.contexts == [256, 1024] and all(v > 0 for v in t.table[256].values())
+    files[0].write_text(files[0].read_text().replace("256", "257", 1))  # a visible edit is read back
+    assert load_or_measure(model, "tiny-llama", 4096).contexts == [257, 1024]
+    files[0].write_text("{not json")  # a corrupt file is measured again
+    assert load_or_measure(model, "tiny-llama", 4096, vocab=zoo.VOCAB).contexts == [256, 1024]
+    small = measure(model, (1, 4), (8,), repeats=1, vocab=zoo.VOCAB)
+    assert set(small.table[8]) == {1, 4}
+
+
+def test_auto_drafts_from_learned_text_without_crossing_into_it():
+    """An editor's suffix (Drafter.learn) is drafted from, but no continuation runs across the
+    boundary between it and the history."""
+    d = AutoDrafter(ssd=False, frozen=False)
+    d.observe([1, 2, 3])
+    d.learn([7, 8, 9, 10, 11])
+    d.observe([4, 7, 8])
+    tree = d.propose([1, 2, 3, 4, 7, 8], 7)
+    assert [int(t) for t in tree.first_path().tokens][:3] == [9, 10, 11]
+    assert -1 not in tree.tokens.tolist()
+    d.observe([9])
+    assert -1 not in d.propose([1, 2, 3, 4, 7, 8, 9], 7).tokens.tolist()

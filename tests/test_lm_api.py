@@ -1,0 +1,63 @@
+"""The mlx-lm-shaped API (cacheback_mlx.lm) against mlx-lm's own stream_generate."""
+
+import pytest
+from conftest import write_tiny_gguf
+from mlx_lm import stream_generate as mlx_stream
+
+from cacheback_mlx import lm
+from cacheback_mlx.errors import CachebackError
+
+FIELDS = ("text", "token", "prompt_tokens", "generation_tokens", "finish_reason")
+
+
+def responses(gen):
+    return [{f: getattr(r, f) for f in FIELDS} for r in gen]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm") / "t.gguf"
+    write_tiny_gguf(path, context=512)
+    return lm.load(str(path))
+
+
+@pytest.mark.parametrize("drafter", ["auto", "none", "pld"])
+def test_stream_generate_yields_what_mlx_lm_yields(tiny, drafter):
+    model, tokenizer = tiny
+    prompt = "abcabcabc abc"
+    ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, drafter=drafter))
+    theirs = list(mlx_stream(model, tokenizer, prompt, max_tokens=24))
+    assert responses(ours) == responses(theirs)
+    assert ours[-1].passes <= len(ours)
+    short = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=3, drafter=drafter))
+    assert responses(short) == responses(mlx_stream(model, tokenizer, prompt, max_tokens=3))
+    assert short[-1].finish_reason == "length" and len(short) == 3
+    assert all(r.peak_memory > 0 and r.generation_tps > 0 for r in ours)
+    ids = tokenizer.encode(prompt)
+    assert responses(lm.stream_generate(model, tokenizer, ids, max_tokens=24)) == responses(theirs)
+    assert lm.generate(model, tokenizer, prompt, max_tokens=24) == "".join(r.text for r in theirs)
+
+
+def test_a_stop_token_ends_like_mlx_lm(tiny):
+    model, tokenizer = tiny
+    prompt = "hello hello"
+    first = [r.token for r in mlx_stream(model, tokenizer, prompt, max_tokens=12)]
+    eos = first[5]  # make the 6th generated token an EOS for both
+    tokenizer._eos_token_ids.add(eos)
+    try:
+        lm._sessions.clear()  # a session keeps the EOS ids it was made with
+        theirs = responses(mlx_stream(model, tokenizer, prompt, max_tokens=12))
+        ours = responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=12))
+    finally:
+        tokenizer._eos_token_ids.discard(eos)
+        lm._sessions.clear()
+    assert theirs[-1]["finish_reason"] == "stop" and theirs[-1]["token"] == eos
+    assert ours == theirs
+
+
+def test_unsupported_arguments_get_a_clear_error(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(CachebackError, match="temperature"):
+        next(lm.stream_generate(model, tokenizer, "a", sampler=lambda x: x))
+    with pytest.raises(CachebackError, match="unsupported"):
+        next(lm.stream_generate(model, tokenizer, "a", frobnicate=1))

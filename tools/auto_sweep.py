@@ -1,0 +1,129 @@
+"""The auto drafter against each single drafter on the recorded greedy streams (exact MAT, no model).
+
+Two protocols, both printed:
+- fresh: a new drafter for every stream (nothing learned across requests);
+- in order: one drafter serves the 64 streams in order and is reset between them, as the bench and
+  a chat's /reset do: what it learned across requests stays (SSD's buffer, auto's scores), the
+  request's own state (history, Cacheback's dynamic table) goes.
+With --cost (a verify-cost JSON, as `cacheback-mlx bench --verify-cost` saves it) it also replays
+auto and cacheback with the per-step budget and reports tokens per second of pass time (by that
+cost table) plus drafting time (measured here), next to the fixed budget of 7. With --calibration
+it prints how often auto's nodes were accepted against their scores.
+
+    .venv/bin/python tools/auto_sweep.py [--budgets 7,15,63] [--cost FILE] [--calibration]
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+from cacheback_mlx.budget import CostTable, Sizer
+from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters.auto import AutoDrafter
+from cacheback_mlx.replay import load_streams, longest_match, replay
+
+DRAFTERS = {
+    "auto": lambda b: AutoDrafter(persist=False),
+    "ssd": lambda b: make_drafter("ssd", persist=False),
+    "cacheback": lambda b: make_drafter("cacheback"),
+    "pld": lambda b: make_drafter("pld", max_draft=b),
+    "ngram (chain up to budget)": lambda b: make_drafter("ngram", max_draft=b),
+}
+
+
+def run(make, streams, budget, in_order, sizer=None):
+    totals = {"sb": [0, 0], "he": [0, 0]}
+    draft_s = pass_s = 0.0
+    d = None
+    for s in streams:
+        if d is None or not in_order:
+            d = make()
+        d.reset()
+        r = replay(d, s["prompt"], s["out"], budget, sizer=sizer)
+        d.end_request()
+        wait = getattr(getattr(d, "ssd", d), "wait", None)
+        if wait:
+            wait()  # the index of the streams served so far, as a server would have it by now
+        t = totals["he" if s["cat"] == "humaneval" else "sb"]
+        t[0], t[1] = t[0] + r.tokens, t[1] + r.steps
+        draft_s, pass_s = draft_s + r.draft_seconds, pass_s + r.pass_seconds
+    tok, steps = sum(t[0] for t in totals.values()), sum(t[1] for t in totals.values())
+    return [totals["sb"][0] / totals["sb"][1], totals["he"][0] / totals["he"][1], tok / steps,
+            1e6 * draft_s / steps, tok / pass_s if pass_s else 0.0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budgets", default="7,15,63")
+    ap.add_argument("--cost", default=None, help="verify-cost JSON for the per-step rows")
+    ap.add_argument("--calibration", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the MAT tables")
+    a = ap.parse_args()
+    streams = load_streams()
+    if a.calibration:
+        calibration(streams)
+    if a.no_sweep:
+        a.budgets = ""
+    if a.budgets:
+        print("| protocol | drafter | budget | Spec-Bench MAT | HumanEval MAT | all MAT | draft us/step |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+    for in_order in (False, True):
+        for b in [int(x) for x in a.budgets.split(",") if x]:
+            for name, make in DRAFTERS.items():
+                r = run(lambda: make(b), streams, b, in_order)
+                print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} |", flush=True)
+    if a.cost:
+        cost = CostTable.from_json(json.loads(open(a.cost).read()))
+        print("\n| protocol (in order) | drafter | budget | all MAT | draft us/step | tok/s by pass time | tok/s by pass + draft time |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        for name in ("auto", "cacheback"):
+            for label, b, sizer in (("fixed 7", 7, FixedSizer(cost)), ("per step, cap 63", 63, Sizer(cost))):
+                r = run(lambda: DRAFTERS[name](b), streams, b, True, sizer=sizer)
+                with_draft = r[4] / (1 + r[3] * 1e-6 * r[4] / r[2])  # seconds per token + draft per token
+                print(f"| in order | {name} | {label} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {with_draft:.2f} |", flush=True)
+
+
+def calibration(streams, budget: int = 24):
+    """Sent nodes of auto (in order, budget 24) by score bucket: mean score vs share accepted."""
+    d = AutoDrafter(persist=False)
+    rows, pred, actual = [], [], []
+    for s in streams:
+        d.reset()
+        hist, out, pos = list(s["prompt"]), s["out"], 0
+        d.observe(hist)
+        while pos < len(out):
+            tree = d.propose(hist, budget)
+            path = longest_match(tree, out[pos:])
+            rows += [(tree.scores[i], i in path) for i in range(len(tree))]
+            pred.append(float(tree.scores.sum()) if len(tree) else 0.0)
+            actual.append(len(path))
+            acc = [int(tree.tokens[i]) for i in path]
+            if pos + len(acc) < len(out):
+                acc.append(out[pos + len(acc)])
+            hist, pos = hist + acc, pos + len(acc)
+            d.observe(acc)
+        d.end_request()
+        d.ssd.wait()
+    rows = np.array(rows, dtype=float)
+    print("| score | nodes | mean score | accepted |\n|---|---:|---:|---:|")
+    edges = [0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.01]
+    for lo, hi in zip(edges, edges[1:]):
+        m = (rows[:, 0] >= lo) & (rows[:, 0] < hi)
+        if m.any():
+            print(f"| {lo:.2f}-{min(hi, 1):.2f} | {int(m.sum())} | {rows[m, 0].mean():.3f} | {rows[m, 1].mean():.3f} |")
+    print(f"\nper step: expected accepted drafts (sum of scores) {np.mean(pred):.3f}, accepted {np.mean(actual):.3f}\n")
+
+
+class FixedSizer(Sizer):
+    """Every pass gets the whole budget (the fixed rule), priced by the same cost table."""
+
+    def cap(self, limit, context):
+        return limit
+
+    def choose(self, tree, lead, context):
+        return tree
+
+
+if __name__ == "__main__":
+    main()
