@@ -114,6 +114,19 @@ def test_bad_requests_get_4xx_json_errors(tiny_server):
     assert cases[-1].status_code == 413
 
 
+def test_body_is_json_whatever_its_content_type(tiny_server):
+    """`curl -d '{...}'` (Ollama's and llama.cpp's documented usage) sends a form Content-Type."""
+    form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+    body = json.dumps({"prompt": "hello", "n_predict": 4}).encode()
+    for path, headers in (("/completion", form), ("/completion", AUTH), ("/api/generate", form)):
+        payload = body if path != "/api/generate" else json.dumps({"prompt": "hi", "stream": False,
+                                                                  "options": {"num_predict": 4}}).encode()
+        r = httpx.post(f"{tiny_server}{path}", content=payload, headers=headers, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+    r = httpx.post(f"{tiny_server}/completion", content=b"prompt=hello", headers=form, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
 def test_concurrent_requests_queue_and_both_complete(tiny_server):
     results = []
 

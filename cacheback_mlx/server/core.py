@@ -86,7 +86,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 class BodyGuard:
     """ASGI middleware: bodies over max_body bytes get a 413 whether or not they say their length
-    (chunked uploads are counted as they arrive), and a wrong API key a 401."""
+    (chunked uploads are counted as they arrive), and a wrong API key a 401. A body is JSON whatever
+    its Content-Type says, as llama.cpp and Ollama read it (`curl -d '{...}'` sends it as a form)."""
 
     def __init__(self, app, max_body: int, api_key: str | None):
         self.app, self.max_body, self.api_key = app, max_body, api_key
@@ -111,6 +112,9 @@ class BodyGuard:
             more = message.get("more_body", False)
             if len(body) > self.max_body:
                 return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
+        if not headers.get("content-type", "").startswith("application/json"):
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                         + [(b"content-type", b"application/json")])
         sent = False
 
         async def replay():
