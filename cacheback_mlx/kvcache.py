@@ -13,6 +13,8 @@ what the model expects. `wrap` is the one place that decides how each kind is wr
                       accepted tokens are fed again at the head of the next pass (engine.py)
   CacheList        -> the same list of wrapped caches
 Any other kind (quantized, chunked, rotating with `keep`) is refused with a one-line error.
+Attention over these caches goes through attention.py, which on the CPU gives passes of several
+rows a faster softmax (mlx-lm's own caches keep MLX's kernel).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import attention
 from .errors import CachebackError
-from .positions import TreePass, attach_tree_pass, model_family
+from .positions import TreePass, attach_tree_pass, model_family, model_modules
 
 
 def pass_mask(tp: TreePass, offset: int, start: int, n: int, window: int | None) -> mx.array:
@@ -45,6 +48,7 @@ class TreeKVCache(KVCache):
     """mlx-lm's KVCache; masks come from the current TreePass while one is set."""
 
     start = 0  # absolute position of the first stored slot (a full cache never evicts)
+    fast_attention = True  # passes of several rows on the CPU use attention.cpu_attention
 
     def __init__(self, tree_pass: TreePass):
         super().__init__()
@@ -171,6 +175,7 @@ class ModelCache:
     def __init__(self, model: nn.Module):
         self.family = model_family(model)
         self.tree_pass = attach_tree_pass(model)
+        attention.install(model_modules(model))
         raw = make_prompt_cache(model)
         self.layers = [wrap(c, self.tree_pass, self.family) for c in raw]
         leaves = list(_leaves(self.layers))

@@ -1,0 +1,110 @@
+"""Attention for passes of several rows (verify passes, prefill) on MLX's CPU backend.
+
+On the CPU, `mx.fast.scaled_dot_product_attention` is a plain matmul -> softmax -> matmul, and with
+more than one query row its exp dominates: MLX's CPU exp runs at ~12 ns an element on the x86
+wheels, so 8 rows over 3,000 cached tokens spend ~2.6 ms a layer in exp alone, ~80 ms a pass on the
+default model (docs/BENCHMARKS.md §11). Here the softmax's exp is a range-reduced polynomial
+(2^x = 2^n * p(f), |f| <= 1/2, degree 7: within ~1 ulp of float32 exp) that MLX compiles into one
+vectorised elementwise kernel, ~5x faster; the matmuls stay MLX's (BLAS).
+
+Used only where it pays and nothing else changes: the CPU device, float32, more than one query
+row, no attention sinks, and the engine's own caches (a cache class with `fast_attention = True`).
+One-row decoding steps, mlx-lm's own caches (so plain mlx-lm in the same process), Metal and CUDA
+all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+LOG2E = 1.4426950408889634
+# Taylor coefficients of 2^f = e^(f ln 2): ln2^k / k!, k = 1..7 (error < 1e-8 for |f| <= 1/2)
+COEFFS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
+          0.0013333558146428443, 0.00015403530393381608, 1.525273380405984e-05)
+
+enabled = os.environ.get("CACHEBACK_MLX_FAST_ATTENTION", "1") != "0"
+stock = base.scaled_dot_product_attention
+
+
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """For x <= 0: p(f) and the float32 bits of 2^n, with x * log2(e) = n + f, |f| <= 1/2."""
+    y = mx.maximum(x * LOG2E, -127.0)  # 2^-127 and below: 0 (the exponent bits below are 0)
+    n = mx.round(y)
+    f = y - n
+    p = COEFFS[-1]
+    for c in reversed(COEFFS[:-1]):
+        p = c + f * p
+    return 1.0 + f * p, (n.astype(mx.int32) + 127) << 23
+
+
+# One elementwise kernel for every shape (a graph per shape would pile up in a long session).
+# The bit cast stays outside: a shapeless graph cannot hold a view.
+_compiled_parts = mx.compile(_exp_parts, shapeless=True)
+
+
+def exp_nonpositive(x: mx.array, parts=None) -> mx.array:
+    """exp(x) for x <= 0 (a softmax's numerators, after subtracting the row's max); -inf gives 0.
+    Within ~1e-7 relative of exp for x >= -10; float32 range reduction limits it to ~4e-6 near
+    the bottom of the normal range (x ~ -87), where the values are < 1e-37."""
+    p, bits = (parts or _exp_parts)(x)
+    return p * bits.view(mx.float32)
+
+
+def _fused_exp(x: mx.array) -> mx.array:
+    """exp_nonpositive through the compiled kernel (MLX's CPU compiler needs a C++ compiler;
+    without one, plain ops)."""
+    global _compiled_parts
+    try:
+        return exp_nonpositive(x, _compiled_parts)
+    except Exception as e:  # noqa: BLE001 - any failure to build the kernel: the uncompiled ops
+        if _compiled_parts is _exp_parts:
+            raise
+        print(f"cacheback-mlx: no compiled exp kernel ({type(e).__name__}: {e}); using plain ops", file=sys.stderr)
+        _compiled_parts = _exp_parts
+        return exp_nonpositive(x)
+
+
+def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """softmax(q k^T * scale + mask) v for [B, H, T, D] queries over [B, Hk, S, D] keys (H a
+    multiple of Hk); mask: None, "causal", a bool array (True = seen) or an additive array, either
+    [T, S] or [B, 1 or H, T, S]."""
+    B, H, T, _ = queries.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    r = H // Hk
+    scores = ((queries * scale).reshape(B, Hk, r * T, -1) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, T, S)
+    if isinstance(mask, str):
+        mask = mx.arange(S)[None] <= mx.arange(S - T, S)[:, None]
+    if mask is not None:
+        if mask.ndim == 4:  # [B, 1 or H, T, S] -> [B, 1 or Hk, 1 or r, T, S]
+            mask = mask.reshape(mask.shape[0], 1, 1, T, S) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], Hk, r, T, S)
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    e = _fused_exp(scores - scores.max(-1, keepdims=True))
+    out = (e.reshape(B, Hk, r * T, S) @ values) / e.sum(-1).reshape(B, Hk, r * T, 1)
+    return out.reshape(B, H, T, -1)
+
+
+def _usable(queries, keys, cache, sinks, mask) -> bool:
+    return (enabled and sinks is None and getattr(cache, "fast_attention", False) and queries.shape[2] > 1
+            and queries.dtype == mx.float32 and queries.shape[1] % keys.shape[1] == 0
+            and (mask is None or isinstance(mask, str) or mask.ndim in (2, 4))
+            and mx.default_device() == mx.cpu)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """mlx-lm's `scaled_dot_product_attention`, with cpu_attention where it applies."""
+    if _usable(queries, keys, cache, sinks, mask):
+        return cpu_attention(queries, keys, values, scale, mask)
+    return stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install(module_names) -> None:
+    """Route the attention of these mlx-lm model modules through scaled_dot_product_attention
+    above (modules that call mlx-lm's shared one; once each)."""
+    for name in module_names:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "scaled_dot_product_attention", None) is stock:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
