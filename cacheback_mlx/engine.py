@@ -28,7 +28,7 @@ from .kvcache import ModelCache
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .tree import DraftTree
-from .verify import padded_size, prefill, verify_pass
+from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
@@ -220,9 +220,10 @@ class Engine:
     def _prefill(self, tokens: list[int]) -> None:
         if self.peers is None:
             return prefill(self.model, self.cache, tokens)
-        if tokens:
-            with self.peers.prefill(tokens):
-                prefill(self.model, self.cache, tokens)
+        for i in range(0, len(tokens), PREFILL_CHUNK):  # one announced pass per chunk
+            part = tokens[i : i + PREFILL_CHUNK]
+            with self.peers.prefill(part):
+                prefill(self.model, self.cache, part)
 
     def _verify(self, lead: list[int], tree: DraftTree) -> mx.array:
         if self.peers is None:

@@ -11,10 +11,11 @@ import sys
 from adversarial import OracleDrafter, RandomTreeDrafter
 
 from cacheback_mlx.cli import open_session
+from cacheback_mlx.sampling import SamplingParams
 
 
-def ids(session, prompt, n):
-    out = [t for _, tokens in session.stream_ids(prompt, n) for t in tokens]
+def ids(session, prompt, n, sampling=SamplingParams()):
+    out = [t for _, tokens in session.stream_ids(prompt, n, sampling) for t in tokens]
     return {"ids": out, "passes": session.stats.passes}
 
 
@@ -36,6 +37,11 @@ def main():
     # the next turn extends this one: only its new tokens are prefilled (a trim that keeps a prefix)
     turn = prompt + plain[: n // 2] + [7, 8]
     out["next-turn"] = ids(session, turn, n)
+    # a prompt longer than one prefill chunk (512), from scratch; then sampling, drawn on rank 0 only
+    session.set_drafter("cacheback")
+    session.reset()
+    out["long"] = ids(session, (prompt * 10)[:600], 8)
+    out["sampled"] = ids(session, prompt, n, SamplingParams(temperature=0.8, seed=3))
     print(json.dumps(out), flush=True)
 
 

@@ -116,7 +116,7 @@ def folders(tmp_path_factory):
     out = {}
     for family in ("llama", "qwen2"):
         model = zoo.tiny_model(family)
-        out[family] = save_folder(LoadedModel(model, tokenizer, family, "", 512, "float32", None), d / family)
+        out[family] = save_folder(LoadedModel(model, tokenizer, family, "", 1024, "float32", None), d / family)
     return out
 
 
@@ -124,7 +124,7 @@ def reference(folder: Path, prompt: list[int], n: int) -> list[int]:
     """Single-process plain greedy decoding, checked against mlx-lm's generate_step."""
     loaded = load(str(folder), dtype="float32")
     eos = loaded.tokenizer.eos_token_ids
-    ours = [t for step in Engine(loaded.model, eos, NoDrafter(), 512).generate(prompt, n) for t in step]
+    ours = [t for step in Engine(loaded.model, eos, NoDrafter(), 1024).generate(prompt, n) for t in step]
     theirs = []
     for tok, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=n):
         if int(tok) in eos:
@@ -152,8 +152,13 @@ def test_sharded_greedy_output_equals_single_process_plain_decoding(ring, folder
         assert got[drafter]["ids"] == want, (drafter, mode)
     turn = PROMPT + want[: n // 2] + [7, 8]
     assert got["next-turn"]["ids"] == reference(folders[family], turn, n)
+    assert got["long"]["ids"] == reference(folders[family], (PROMPT * 10)[:600], 8)  # two prefill chunks
     # the sharded passes really verified several tokens at once
     assert got["oracle-tree"]["passes"] < len(want) // 2 < got["none"]["passes"]
+    if mode == "pipeline":  # the same floating-point ops as one process: sampling draws the same tokens
+        alone = subprocess.run(cmd[:3] + ["single"] + cmd[4:], capture_output=True, text=True, timeout=WAIT, cwd=HERE)
+        assert alone.returncode == 0, alone.stderr[-2000:]
+        assert got["sampled"]["ids"] == json.loads(alone.stdout)["sampled"]["ids"]
 
 
 def test_cli_generate_through_mlx_launch_prints_what_one_process_prints(ring, folders, tmp_path):
