@@ -373,7 +373,11 @@ def start(spec: str | None, mode: str, dtype: str | None = None, drafter: str = 
     groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
     if mode == "pipeline" and not (path / "model.safetensors.index.json").is_file():
         raise CachebackError(f"{name}: pipeline sharding needs model.safetensors.index.json (save it with mlx_lm)")
-    model, tokenizer = sharded_load(str(path), **groups)
+    try:
+        model, tokenizer = sharded_load(str(path), **groups)
+    except (ValueError, KeyError, IndexError, OSError) as e:  # e.g. a dimension our checks do not know
+        raise CachebackError(f"{name}: mlx-lm cannot load it {mode}-sharded over {group.size()} ranks: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if dtype != "native":
         model.set_dtype(getattr(mx, dtype))  # floating weights only: quantized ones stay as they are
         mx.eval(model.parameters())
