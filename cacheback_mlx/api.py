@@ -48,10 +48,12 @@ class Session:
 
     def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
                  dtype: str | None = None, draft_budget: int | None = None, fixed_budget: bool = False,
-                 **drafter_params):
+                 peers=None, **drafter_params):
         """draft_budget caps the draft tokens per pass; each pass takes as many as pay for their
         rows by the model's measured pass cost (measured once, a few seconds, then cached), or
-        exactly draft_budget (default: per backend) with fixed_budget."""
+        exactly draft_budget (default: per backend) with fixed_budget.
+        peers: the other ranks of a sharded model (distributed.Leader); the budget is then fixed
+        (measuring pass costs would run passes the other ranks do not mirror)."""
         if drafter not in drafter_names():  # a bad name fails before the model loads
             make_drafter(drafter)
         self.loaded = load_cached(model, dtype)
@@ -60,8 +62,8 @@ class Session:
         first_drafter = self.make_drafter(drafter, **drafter_params)
         self.drafter_name = drafter
         self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
-                             self.loaded.context_length, draft_budget=draft_budget)
-        if not fixed_budget:
+                             self.loaded.context_length, draft_budget=draft_budget, peers=peers)
+        if not fixed_budget and peers is None:
             self.engine.set_sizer(Sizer(self.verify_cost()), draft_budget)
 
     def verify_cost(self, remeasure: bool = False) -> CostTable:

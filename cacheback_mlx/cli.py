@@ -26,6 +26,11 @@ def user_errors(fn):
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
         except Exception as e:  # a bug, not bad input: still one line unless asked for details
+            from .distributed import is_link_error
+
+            if is_link_error(e):  # --distributed: another rank ended or died
+                click.echo(f"error: lost a rank of the distributed group ({str(e).splitlines()[0]})", err=True)
+                sys.exit(1)
             if os.environ.get("CACHEBACK_MLX_DEBUG"):
                 raise
             click.echo(f"error: {type(e).__name__}: {e} (set CACHEBACK_MLX_DEBUG=1 for a traceback)", err=True)
@@ -48,6 +53,36 @@ def drafter_option(fn):
     fn = click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE",
                       help="A drafter parameter, e.g. --drafter-arg tdl=32 (repeatable).")(fn)
     return fn
+
+
+def distributed_option(fn):
+    return click.option("--distributed", type=click.Choice(["tensor", "pipeline"]), default=None,
+                        help="Run on a model sharded over the ranks mlx.launch started (mlx-lm folders "
+                             "or repos): tensor or pipeline parallel. Rank 0 drafts and answers.")(fn)
+
+
+def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed=None):
+    """The Session a command runs on. With --distributed, ranks > 0 follow rank 0 here and exit
+    when it is done; rank 0 gets a Session whose engine announces each pass to them."""
+    from .api import Session
+    from .drafters import drafter_names, make_drafter
+
+    params = parse_drafter_args(drafter_args)
+    if not distributed:
+        return Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget, **params)
+    import atexit
+
+    from . import distributed as dist
+
+    if drafter not in drafter_names():  # every rank fails alike, before joining
+        make_drafter(drafter)
+    node = dist.start(model, distributed, dtype, drafter)
+    if node.rank > 0:
+        dist.follow(node)
+        sys.exit(0)
+    leader = dist.Leader(node.group)
+    atexit.register(leader.stop)
+    return Session(node.loaded, drafter, draft_budget=draft_budget, fixed_budget=True, peers=leader, **params)
 
 
 def model_option(fn):
@@ -98,18 +133,17 @@ def main():
 @click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
 @click.option("--system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
+@distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
-             top_k, seed, chat, system, stats):
+             top_k, seed, chat, system, stats, distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
-    from .api import Session
     from .sampling import SamplingParams
 
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     if prompt == "-":
         prompt = sys.stdin.read()
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
-                      **parse_drafter_args(drafter_args))
     ids = session.encode(prompt, chat=chat, system=system)
     for text, _ in session.stream_ids(ids, max_tokens, sampling):
         click.echo(text, nl=False)
@@ -134,16 +168,16 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
+@distributed_option
 @user_errors
-def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed):
+def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed,
+         distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
-    from .api import Session
     from .chat import run_chat
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
-                      **parse_drafter_args(drafter_args))
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     run_chat(session, system, max_tokens, sampling)
 
 
@@ -159,15 +193,14 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
                    "(default: complete from the prefix, reported as \"fim\": false).")
 @click.option("--batch-size", "-b", default=2048, show_default=True,
               help="Bounds /infill prompts as llama.cpp's batch size does: prefix <= 3/4, suffix <= 1/4 of it.")
+@distributed_option
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size):
+          batch_size, distributed):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
-    from .api import Session
     from .server import serve as run_server
 
-    session = Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
-                      **parse_drafter_args(drafter_args))
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size)

@@ -28,7 +28,7 @@ from .kvcache import ModelCache
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .tree import DraftTree
-from .verify import padded_size, prefill, verify_pass
+from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
@@ -135,11 +135,14 @@ class Engine:
 
     def __init__(self, model, eos_ids: Sequence[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
-                 sizer: Sizer | None = None):
+                 sizer: Sizer | None = None, peers=None):
         """sizer: chooses each pass's draft size from measured pass costs (budget.py), with
         draft_budget (default MAX_DRAFT) as a cap; without one every pass drafts up to
-        draft_budget (default: per backend)."""
+        draft_budget (default: per backend).
+        peers: for a model sharded over processes, the other ranks (distributed.Leader): each
+        cache operation below is announced to them first, so every rank does the same."""
         self.model = model
+        self.peers = peers
         self.eos_ids = set(int(t) for t in eos_ids)
         self.drafter = drafter
         self.context_length = context_length
@@ -181,7 +184,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""
-        self.cache.trim(0)
+        self._trim(0)
         self.cached, self.history, self.lead = [], [], []
         self.drafter.reset()
 
@@ -190,8 +193,8 @@ class Engine:
         `context`: text beside the prompt for the drafter to learn (Drafter.learn)."""
         t0 = time.perf_counter()
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
-        keep = self.cache.trim(common_prefix(self.cached, prompt[:-1]))
-        prefill(self.model, self.cache, prompt[keep:-1])
+        keep = self._trim(common_prefix(self.cached, prompt[:-1]))
+        self._prefill(prompt[keep:-1])
         self.cached = prompt[:-1]
         self.lead = [prompt[-1]]
         self.stats.prefill_tokens = len(prompt) - 1 - keep
@@ -205,6 +208,35 @@ class Engine:
         self.drafter.observe(prompt[seen:])
         self.history = list(prompt)
         self.stats.draft_s += time.perf_counter() - t0
+
+    # The cache operations. With peers (a model sharded over processes) each is announced to the
+    # other ranks first, and a pass runs here while they run it on their shards.
+    def _trim(self, length: int) -> int:
+        kept = self.cache.trim(length)
+        if self.peers is not None:
+            self.peers.trim(length, kept)
+        return kept
+
+    def _prefill(self, tokens: list[int]) -> None:
+        if self.peers is None:
+            return prefill(self.model, self.cache, tokens)
+        for i in range(0, len(tokens), PREFILL_CHUNK):  # one announced pass per chunk
+            part = tokens[i : i + PREFILL_CHUNK]
+            with self.peers.prefill(part):
+                prefill(self.model, self.cache, part)
+
+    def _verify(self, lead: list[int], tree: DraftTree) -> mx.array:
+        if self.peers is None:
+            return verify_pass(self.model, self.cache, lead, tree, self.buckets)
+        with self.peers.verify(lead, tree, padded_size(len(lead) + len(tree), self.buckets)):
+            logits = verify_pass(self.model, self.cache, lead, tree, self.buckets)
+            mx.eval(logits)  # the pass's collectives run now, under the peers' watch
+        return logits
+
+    def _finish(self, rows: list[int], whole: bool) -> bool:
+        if self.peers is not None:
+            self.peers.finish(rows, whole)
+        return self.cache.finish_pass(rows, whole)
 
     def check(self, prompt: Sequence[int], max_tokens: int = 1) -> list[int]:
         """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
@@ -261,7 +293,7 @@ class Engine:
                 stats.draft_s += time.perf_counter() - t0
                 # verify: lead + draft in one pass
                 t0 = time.perf_counter()
-                logits = verify_pass(self.model, self.cache, lead, tree, self.buckets)
+                logits = self._verify(lead, tree)
                 picks = pick(logits).tolist()
                 stats.verify_s += time.perf_counter() - t0
                 # accept the longest path the model agrees with, plus its bonus token
@@ -272,7 +304,7 @@ class Engine:
                 # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                 rows = list(range(len(lead))) + [len(lead) + i for i in path]
                 whole = len(path) == len(tree) and padded_size(len(lead) + len(tree), self.buckets) == len(rows)
-                if self.cache.finish_pass(rows, whole):
+                if self._finish(rows, whole):
                     self.cached.extend(lead + accepted[:-1])
                     self.lead = [bonus]
                 else:

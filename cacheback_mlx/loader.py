@@ -179,3 +179,20 @@ def _hub_snapshot(repo: str) -> Path:
         raise CachebackError(f"cannot download {repo!r}: {str(e).splitlines()[0]}") from None
     except Exception as e:  # network errors come in many types
         raise CachebackError(f"cannot download {repo!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:
+    """Write a loaded model as an mlx-lm folder (config.json, safetensors with their index,
+    tokenizer files), e.g. a GGUF model for `--distributed`, which loads through mlx-lm."""
+    from dataclasses import asdict
+
+    from mlx_lm.utils import save_config, save_model
+
+    path = Path(path)
+    save_model(path, loaded.model)
+    config = {k: v for k, v in asdict(loaded.model.args).items() if v is not None}
+    config.update(max_position_embeddings=loaded.context_length,
+                  eos_token_id=sorted(loaded.tokenizer.eos_token_ids))
+    save_config(config, path / "config.json")
+    loaded.tokenizer._tokenizer.save_pretrained(str(path))
+    return path

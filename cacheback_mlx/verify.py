@@ -71,7 +71,10 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
     return logits[0, lead_n - 1 : n]
 
 
-def prefill(model, cache: ModelCache, tokens: list[int], chunk: int = 512) -> None:
+PREFILL_CHUNK = 512
+
+
+def prefill(model, cache: ModelCache, tokens: list[int], chunk: int = PREFILL_CHUNK) -> None:
     """Put tokens into the caches (in chunks, to bound memory on long prompts)."""
     for i in range(0, len(tokens), chunk):
         part = tokens[i : i + chunk]
