@@ -210,3 +210,14 @@ def test_replay_mat_pld_and_ssd_learning_curve():
     d.wait()
     used = replay_all(lambda: d, half, fresh_per_stream=False)
     assert used.mat > fresh.mat
+
+
+def test_rebuilding_an_index_at_every_length_makes_few_ctypes_types():
+    """pydivsufsort makes a ctypes type per input length and ctypes keeps it for good: the index
+    pads to a few sizes so that SSD, which re-indexes after every request, stays bounded."""
+    import ctypes
+
+    before = len(ctypes._pointer_type_cache)
+    for n in range(3000, 3400):
+        SuffixIndex(np.arange(n, dtype=np.int32) % 11)
+    assert len(ctypes._pointer_type_cache) - before < 10  # 400 lengths, a few padded sizes

@@ -23,6 +23,14 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
     return divsufsort(tokens) if len(tokens) else np.zeros(0, np.int32)
 
 
+def padded_length(n: int) -> int:
+    """n rounded up to one of ~8 sizes per doubling. pydivsufsort makes a new ctypes type for every
+    input length and ctypes keeps each one for good, so an index rebuilt after every request (SSD)
+    would otherwise grow a server's memory by a few KB per request, without bound."""
+    step = max(1024, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
 def _ints(a: np.ndarray) -> memoryview:
     """A memoryview of native int32s (some arrays carry an explicit '<i' format it can't index)."""
     a = np.ascontiguousarray(a, dtype=np.int32)
@@ -39,11 +47,15 @@ class SuffixIndex:
         of the reversed sequence (built when None)."""
         if reversed_tokens is None:
             reversed_tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)[::-1])
+        self.n = len(reversed_tokens)  # tokens indexed
+        if sa is None:  # SEPs past the start of the text: never matched, never read as a continuation
+            pad = padded_length(self.n) - self.n
+            reversed_tokens = np.concatenate([reversed_tokens, np.full(pad, SEP, np.int32)])
         self.rev = reversed_tokens
         self.sa = suffix_array(self.rev) if sa is None else sa
         self._rev = _ints(self.rev)  # fast scalar reads in the binary searches
         self._sa = _ints(self.sa)
-        self.n = len(self.rev)
+        self._end = len(self.rev)  # the padding's SEPs included
 
     @property
     def nbytes(self) -> int:
@@ -51,7 +63,7 @@ class SuffixIndex:
 
     def _key(self, i: int, k: int) -> int:
         p = self._sa[i] + k
-        return self._rev[p] if p < self.n else -1  # a suffix that ends sorts first
+        return self._rev[p] if p < self._end else -1  # a suffix that ends sorts first
 
     def _bound(self, lo: int, hi: int, k: int, token: int, upper: bool) -> int:
         while lo < hi:
@@ -66,7 +78,7 @@ class SuffixIndex:
     def longest_match(self, context: Sequence[int], max_n: int = 16) -> tuple[int, int, int]:
         """(n, lo, hi): the longest n <= max_n such that the last n context tokens occur, and the
         suffix-array range [lo, hi) of their occurrences."""
-        lo, hi, best = 0, self.n, (0, 0, 0)
+        lo, hi, best = 0, self._end, (0, 0, 0)
         for k in range(min(max_n, len(context))):
             t = int(context[-1 - k])
             lo, hi = self._bound(lo, hi, k, t, False), self._bound(lo, hi, k, t, True)
