@@ -38,7 +38,7 @@ def drafter_option(fn):
     from .api import DEFAULT_DRAFTER
 
     fn = click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
-                      help="Drafter: auto, none, ngram, cacheback, pld, rest, ssd.")(fn)
+                      help="Drafter: auto, none, ngram, cacheback, pld, rest, ssd, card.")(fn)
     fn = click.option("--draft-budget", type=int, default=None,
                       help="The most draft tokens per verify pass (default 63; each pass takes as many as "
                            "pay for themselves, from the measured pass cost).")(fn)
