@@ -84,7 +84,7 @@ def test_tree_layers_keep_the_best_paths_by_cumulative_probability():
 def test_correction_after_a_rejection_continues_from_the_accepted_token():
     """The target rejected A and took B: the next proposal hangs below B, re-scored from it."""
     t = grown_tree()
-    assert t.advance([11])
+    assert t.advance([11]) == [2]  # old node 2 (13, below B) is the new node 0
     assert t.tokens == [13] and t.parents == [-1] and np.isclose(t.scores[0], 0.9)
     assert t.frontier == [0]
     d = t.best(4)
@@ -96,9 +96,9 @@ def test_correction_after_a_rejection_continues_from_the_accepted_token():
 
 def test_accepted_path_deep_in_the_tree_and_a_miss():
     t = grown_tree()
-    assert t.advance([10, 12]) and len(t) == 0 and t.frontier == [-1]  # a leaf: regrow from it
+    assert t.advance([10, 12]) == [] and len(t) == 0 and t.frontier == [-1]  # a leaf: regrow from it
     t = grown_tree()
-    assert not t.advance([10, 99]) and len(t) == 0 and t.frontier == [-1]  # left the tree
+    assert t.advance([10, 99]) is None and len(t) == 0 and t.frontier == [-1]  # left the tree
 
 
 def test_tree_caps():
@@ -108,6 +108,47 @@ def test_tree_caps():
     assert len(t) == 6 and t.full()
     with pytest.raises(CachebackError):
         make_drafter("card", draft="self:1", parallel=False, paths=0)
+
+
+def same_tree(a, b):
+    assert a.tokens == b.tokens and a.parents == b.parents and a.frontier == b.frontier
+    assert np.allclose(a.scores, b.scores, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kept_tree_in_the_cache_grows_what_recomputing_the_tree_grows(family):
+    """Frontier-only passes over a tree kept in the caches (ancestor slots via TreePass.tail),
+    with corrections that keep a subtree, give the same tree as passing the whole tree each layer."""
+    from cacheback_mlx.drafters.card_model import DraftRunner
+
+    model = zoo.tiny_model(family)
+    kept, redo = DraftRunner(model, 3, 3, 6, 30), DraftRunner(model, 3, 3, 6, 30, keep_tree=False)
+    assert kept.kept and not redo.kept
+    for r in (kept, redo):
+        r.sync(0, PROMPT)
+    for step in range(4):
+        for _ in range(3):
+            assert kept.expand() and redo.expand()
+            same_tree(kept.tree, redo.tree)
+        # accept a path of the second-best child's subtree (a correction after a rejection), or a miss
+        t = kept.tree
+        node = max(i for i in range(len(t)) if t.parents[i] == -1) if step % 2 else len(t) - 1
+        path = [t.tokens[a] for a in reversed([node] + t.ancestors(node))]
+        tail = path if step < 3 else path[:1] + [127]
+        for r in (kept, redo):
+            r.sync(len(r.seq), tail)
+        same_tree(kept.tree, redo.tree)
+    assert kept.hits == redo.hits == 3 and kept.misses == redo.misses == 1
+    # the verified part of the kept caches equals a fresh prefill of the sequence
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.verify import prefill
+
+    kept.expand()  # after the miss: the accepted tokens go into the caches, then the root's layer
+    assert kept.cache.length == len(kept.seq) and kept.cached == kept.seq
+    fresh = ModelCache(model)
+    prefill(model, fresh, kept.seq)
+    n = len(kept.seq)
+    assert np.allclose(np.array(kept.cache.kv[0].keys[..., :n, :]), np.array(fresh.kv[0].keys[..., :n, :]), atol=1e-4)
 
 
 # --- lossless, sequential (in-process) -------------------------------------------------------

@@ -199,7 +199,7 @@ class CardDrafter(Drafter):
                 return
             epoch, seq_len, tree, passes, *_ = rest
             self.draft_passes = max(self.draft_passes, passes)
-            if epoch == self.epoch and seq_len <= len(self.seq) and tree.advance(self.seq[seq_len:]):
+            if epoch == self.epoch and seq_len <= len(self.seq) and tree.advance(self.seq[seq_len:]) is not None:
                 self.tree = tree
                 return
 

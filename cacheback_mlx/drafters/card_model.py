@@ -4,12 +4,19 @@ load_draft() turns the `draft` parameter into a model: "self:N" is the target's 
 with its final norm and LM head (the same weight arrays, no second download); anything else is a
 model the loader takes, whose tokenizer must match the target's (vocabulary fingerprint).
 
-DraftRunner keeps the draft model's caches at the verified sequence and grows the tree one layer
-per forward pass, with the engine's own tree machinery (verify.verify_pass): the pass holds the root
-and every node so far, a node sees the verified sequence and its own ancestors (kvcache.pass_mask),
-at position = its depth (positions.TreeRoPE); the pass is then rolled back (ModelCache.finish_pass),
-so the caches only ever hold verified tokens and a correction is a cheap re-root of the tree.
-A draft model that cannot run trees (recurrent layers, position-dependent code) grows a chain.
+DraftRunner grows the tree one layer per forward pass with the engine's own tree machinery: a
+node sees the verified sequence and its own ancestors only (kvcache.pass_mask), at position
+root + depth (positions.TreeRoPE). Two ways to run a layer:
+
+- kept (draft models whose layer caches are all plain KV caches): the nodes' K/V stay in the caches
+  past the verified tokens, so a layer feeds only the new frontier (at most `paths` rows); each row
+  sees its ancestors' slots (TreePass.tail). A correction moves the accepted path into the
+  verified part and keeps the surviving subtree's slots (ModelCache.finish_pass(committed=...));
+  each computed node's top-k is kept too, so a re-rooted tree grows on without a pass.
+- recomputed (sliding windows, shared K/V, recurrent layers, position-dependent code): a layer
+  passes the root and the whole tree (verify.verify_pass) and is rolled back, so the caches only
+  hold verified tokens. A draft model that cannot run trees (recurrent layers, position-dependent
+  code) grows a chain.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import numpy as np
 
 from ..engine import common_prefix
 from ..errors import CachebackError
-from ..kvcache import ModelCache
+from ..kvcache import ModelCache, TreeKVCache
 from ..positions import attach_tree_pass, prepare_positions
+from ..tree import DraftTree
 from ..verify import prefill, verify_pass
 from .card_tree import TokenTree
 
@@ -109,15 +117,20 @@ def top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
 class DraftRunner:
     """A draft model, its caches at the verified sequence, and the tree it grows."""
 
-    def __init__(self, model: nn.Module, paths: int = 4, top_k: int = 4, depth: int = 10, nodes: int = 40):
+    def __init__(self, model: nn.Module, paths: int = 4, top_k: int = 4, depth: int = 10, nodes: int = 40,
+                 keep_tree: bool = True):
         self.model = model
         self.cache = ModelCache(model)
         unplaced = prepare_positions(model)
         self.chain = bool(self.cache.recurrent or unplaced)  # trees would be wrong there: grow a chain
+        self.kept = keep_tree and not self.chain and not self.cache.shared_layers and bool(self.cache.kv) \
+            and all(type(c) is TreeKVCache for c in self.cache.kv)
         self.tree = TokenTree(1, 1, depth, min(nodes, depth)) if self.chain else TokenTree(paths, top_k, depth, nodes)
         self.seq: list[int] = []  # the verified sequence; seq[-1] is the tree's root
-        self.cached: list[int] = []  # tokens in the caches (seq[:-1] once a pass has run)
-        self.passes = 0  # draft forward passes (tree layers)
+        self.cached: list[int] = []  # verified tokens in the caches
+        self.slots: dict[int, int] = {}  # kept: node -> its slot past the verified tokens
+        self.offers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # kept: node (-1: root) -> top-k
+        self.passes = 0  # draft forward passes
         self.hits = self.misses = 0  # corrections whose accepted path was in the tree, or not
 
     def sync(self, keep: int, tail: Sequence[int]) -> None:
@@ -125,18 +138,31 @@ class DraftRunner:
         clear it when the sequence was cut (a new prompt)."""
         tail = [int(t) for t in tail]
         if keep < len(self.seq) or not self.seq:
-            self.tree.clear()
+            self._drop_tree()
         elif tail:
-            if self.tree.advance(tail):
-                self.hits += 1
-            else:
-                self.misses += 1
+            hit = self._correct(tail) if self.kept else self.tree.advance(tail) is not None
+            self.hits += hit
+            self.misses += not hit
         self.seq = self.seq[:keep] + tail
 
     def expand(self) -> bool:
-        """Grow the tree by one layer with one draft pass; False when there is nothing to grow."""
+        """Grow the tree by one layer; False when there is nothing to grow."""
         if not self.seq or self.tree.full():
             return False
+        if not self.kept:
+            return self._expand_recomputed()
+        self._catch_up()
+        frontier = list(self.tree.frontier)
+        need = [f for f in frontier if f not in self.offers]
+        if need:
+            self._feed(need)
+        self.tree.grow(frontier, np.stack([self.offers[f][0] for f in frontier]),
+                       np.stack([self.offers[f][1] for f in frontier]))
+        return True
+
+    # --- recomputed: the whole tree each layer ----------------------------------------------
+
+    def _expand_recomputed(self) -> bool:
         keep = self.cache.trim(common_prefix(self.cached, self.seq[:-1]))
         prefill(self.model, self.cache, self.seq[keep:-1])
         self.cached = self.seq[:-1]
@@ -149,3 +175,69 @@ class DraftRunner:
         self.passes += 1
         return True
 
+    # --- kept: nodes stay in the caches -----------------------------------------------------
+
+    def _drop_tree(self) -> None:
+        self.tree.clear()
+        if self.slots:
+            self.cache.trim(self.cache.length)  # cut the tree's slots
+        self.slots, self.offers = {}, {}
+
+    def _correct(self, tail: list[int]) -> bool:
+        """Accepted `tail`: the computed part of its path joins the verified tokens, the computed
+        part of the subtree below it keeps its slots (compacted). Returns whether it was a hit."""
+        path = self.tree.path(tail)
+        if path is None:
+            self._drop_tree()
+            return False
+        done = [n for n in path if n in self.slots]  # a node with children was computed: a prefix
+        kept = self.tree.advance(tail)
+        computed = [(new, old) for new, old in enumerate(kept) if old in self.slots]
+        rows = [self.slots[n] for n in done] + [self.slots[old] for _, old in computed]
+        self.cache.finish_pass(rows, whole=True, committed=len(done))
+        self.cached = self.cached + tail[: len(done)]
+        offers = {new: self.offers[old] for new, old in computed}
+        if path[-1] in self.offers:
+            offers[-1] = self.offers[path[-1]]
+        self.offers = offers
+        self.slots = {new: j for j, (new, _) in enumerate(computed)}
+        return True
+
+    def _catch_up(self) -> None:
+        """Put the verified tokens into the caches and get the root's top-k."""
+        c = common_prefix(self.cached, self.seq)
+        if -1 not in self.offers:
+            c = min(c, len(self.seq) - 1)
+        if c < len(self.cached):
+            self._drop_tree()
+            c = self.cache.trim(c)
+            self.cached = self.cached[:c]
+        if len(self.cached) < len(self.seq):
+            prefill(self.model, self.cache, self.seq[len(self.cached):-1])
+            logits = verify_pass(self.model, self.cache, [self.seq[-1]], DraftTree.empty())
+            self.cache.finish_pass([0], whole=True)
+            self.cached = list(self.seq)
+            ids, probs = top_k(logits, self.tree.top_k)
+            self.offers[-1] = (ids[0], probs[0])
+            self.passes += 1
+
+    def _feed(self, need: list[int]) -> None:
+        """One pass over the frontier nodes `need`: each sees the verified tokens and its ancestors'
+        slots, at position root + depth; their K/V stay in the caches."""
+        t = self.cache.kv[0].offset - self.cache.length  # slots in use
+        rel = np.array([self.tree.depths[f] - 1 - t for f in need], np.int32)
+        tail = np.zeros((len(need), t), bool)
+        for r, f in enumerate(need):
+            for a in self.tree.ancestors(f):
+                tail[r, self.slots[a]] = True
+        tp = self.cache.tree_pass
+        tp.set(mx.array(rel), mx.eye(len(need), dtype=mx.bool_), mx.array(tail) if t else None)
+        try:
+            logits = self.model(mx.array([[self.tree.tokens[f] for f in need]], dtype=mx.int32), cache=self.cache.layers)
+        finally:
+            tp.clear()
+        ids, probs = top_k(logits[0], self.tree.top_k)
+        for r, f in enumerate(need):
+            self.slots[f] = t + r
+            self.offers[f] = (ids[r], probs[r])
+        self.passes += 1

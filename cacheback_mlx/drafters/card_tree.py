@@ -73,19 +73,28 @@ class TokenTree:
             self.depths.append(1 if f < 0 else self.depths[f] + 1)
         return len(self.frontier)
 
-    def advance(self, accepted: Sequence[int]) -> bool:
-        """The verified sequence grew by `accepted` (the last one is the new root). Keep the subtree
-        below the accepted path, re-rooted and re-scored; returns whether the path was in the tree
-        (a hit). A miss empties the tree, so growth restarts from the new root."""
-        if not accepted:
-            return True
-        node = -1
-        kids = self._children()
-        for tok in accepted:
+    def path(self, tokens: Sequence[int]) -> list[int] | None:
+        """The nodes holding `tokens` from the root down, or None when the path leaves the tree."""
+        kids, node, out = self._children(), -1, []
+        for tok in tokens:
             node = next((c for c in kids[node + 1] if self.tokens[c] == tok), None)
             if node is None:
-                self.clear()
-                return False
+                return None
+            out.append(node)
+        return out
+
+    def advance(self, accepted: Sequence[int]) -> list[int] | None:
+        """The verified sequence grew by `accepted` (the last one is the new root). Keep the subtree
+        below the accepted path, re-rooted and re-scored, and return the kept nodes' old indices
+        (new node i was old node kept[i]); None when the path left the tree (a miss): the tree is
+        then empty and growth restarts from the new root."""
+        if not accepted:
+            return list(range(len(self.tokens)))
+        path = self.path(accepted)
+        if path is None:
+            self.clear()
+            return None
+        node = path[-1]
         keep = [i for i in range(node + 1, len(self.tokens)) if self._below(i, node)]
         remap = {node: -1}
         base_score, base_depth = self.scores[node], self.depths[node]
@@ -102,7 +111,15 @@ class TokenTree:
             has_kids = set(parents)
             frontier = [i for i in range(len(tokens)) if i not in has_kids] or [-1]
         self.frontier = frontier
-        return True
+        return keep
+
+    def ancestors(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            node = self.parents[node]
+            if node >= 0:
+                out.append(node)
+        return out
 
     def best(self, n: int, max_branching: int | None = None) -> DraftTree:
         """The n best-scored nodes as a DraftTree, best first, with scores (a subtree, as no node
