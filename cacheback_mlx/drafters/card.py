@@ -92,8 +92,9 @@ class CardDrafter(Drafter):
     # --- the Drafter interface -------------------------------------------------------------
 
     def reset(self) -> None:
+        """A new conversation: the draft side drops its tree (the counters run on: stats())."""
         self._sync([])
-        self._reset_counters()
+        self.last = None
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Count the accepted tokens the last proposal held; the correction itself is sent with
@@ -127,7 +128,7 @@ class CardDrafter(Drafter):
     def stats(self) -> dict:
         q = max(self.queries, 1)
         out = {"mode": "parallel" if self.parallel else "sequential", "draft": self.draft_spec,
-               "draft passes/target pass": round((self.draft_passes - self.passes0) / q, 2),
+               "draft passes/target pass": round(self.draft_passes / q, 2),
                "cache hit rate": round(self.hits / q, 3), "tokens from cache": self.from_cache,
                "tree": "chain" if self.chain else "tree"}
         if self.dead:
@@ -150,10 +151,8 @@ class CardDrafter(Drafter):
     # --- query and correct -------------------------------------------------------------------
 
     def _reset_counters(self) -> None:
-        self.queries = self.hits = self.from_cache = 0
-        self.passes0 = getattr(self, "draft_passes", 0)
-        self.draft_passes = self.passes0
-        self.last: DraftTree | None = None
+        self.queries = self.hits = self.from_cache = self.draft_passes = 0  # since the drafter started
+        self.last: DraftTree | None = None  # the last proposal (to count what was taken from it)
 
     def _sync(self, history: Sequence[int]) -> None:
         """Bring the draft side to `history`: re-root the local tree on the new tokens (or clear it
