@@ -345,6 +345,10 @@ def test_cli_card_generate_stats_and_errors(ggufs):
     assert "[card] mode parallel" in r.stderr and "cache hit rate" in r.stderr
     r = cli("--drafter-arg", "draft=self:2", "--drafter-arg", "parallel=false", "--stats")
     assert r.returncode == 0 and "mode sequential" in r.stderr, r.stderr
+    doctor = subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "doctor", "--model", ggufs["target"], "--drafter",
+                             "card", "--drafter-arg", "draft=self:2"], capture_output=True, text=True, timeout=300)
+    assert doctor.returncode == 0 and "drafter card: 16 tokens" in doctor.stdout, doctor.stderr
+    assert "draft passes/target pass" in doctor.stdout and "cache hit rate" in doctor.stdout
     for args, needle in [(("--drafter-arg", "draft=self:9"), "choose N from 1 to 3"),
                          (("--drafter-arg", f"draft={ggufs['fim']}"), "another tokenizer"), ((), "needs a draft model")]:
         r = cli(*args)

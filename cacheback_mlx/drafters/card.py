@@ -18,7 +18,9 @@ Proposals carry scores (cumulative draft probabilities), so the engine's per-pas
 Parameters: draft (required), parallel (true), paths K (4: paths kept per layer), top_k (4: children
 offered per node), depth (10: deepest node), nodes (40: tree size cap), layers (4: layers per step,
 sequential mode), wait_ms (0: how long propose may wait for the first tree after a miss), threads
-(1: BLAS threads of the draft process). `target`, `dtype` and `fingerprint` are set by the Session.
+(1: BLAS threads of the draft process), device (cpu or gpu: where the draft process runs; default:
+MLX's default, e.g. the CPU cores for the draft while the target has the GPU). `target`, `dtype` and
+`fingerprint` are set by the Session.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class CardDrafter(Drafter):
 
     def __init__(self, draft=None, parallel: bool = True, paths: int = 4, top_k: int = 4, depth: int = 10,
                  nodes: int = 40, layers: int = 4, wait_ms: float = 0.0, threads: int | None = 1,
-                 target=None, dtype: str | None = None, fingerprint: str | None = None):
+                 device: str | None = None, target=None, dtype: str | None = None, fingerprint: str | None = None):
         if draft is None or draft == "":
             raise CachebackError("the card drafter needs a draft model: --drafter-arg draft=self:N or draft=MODEL")
         if isinstance(draft, str) and draft == "self":
@@ -78,7 +80,11 @@ class CardDrafter(Drafter):
         if parallel:
             from .card_worker import DraftProcess
 
-            spec = {"draft": _spec(draft), "target": _spec(target), "dtype": dtype,
+            if device not in (None, "cpu", "gpu"):
+                raise CachebackError(f"device must be cpu or gpu (got {device!r})")
+            if device == "cpu" and dtype in ("float16", "bfloat16"):
+                dtype = "float32"  # the CPU runs float32 fastest (loader.default_dtype)
+            spec = {"draft": _spec(draft), "target": _spec(target), "dtype": dtype, "device": device,
                     "fingerprint": fingerprint, "tree": self.tree_args}
             self.proc = DraftProcess(spec, threads=threads)
             self.chain = bool(self.proc.info.get("chain"))

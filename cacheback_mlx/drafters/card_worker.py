@@ -35,8 +35,12 @@ READY_TIMEOUT = 600.0  # seconds to load the draft model (a first download can b
 
 
 def _serve(conn: Connection, spec: dict) -> None:
+    import mlx.core as mx
+
     from .card_model import DraftRunner, load_draft
 
+    if spec.get("device"):
+        mx.set_default_device(mx.cpu if spec["device"] == "cpu" else mx.gpu)
     model = load_draft(spec["draft"], spec.get("target"), spec.get("dtype"), spec.get("fingerprint"))
     runner = DraftRunner(model, **spec["tree"])
     conn.send(("ready", {"pid": os.getpid(), "chain": runner.chain}))
