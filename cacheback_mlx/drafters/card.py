@@ -112,7 +112,7 @@ class CardDrafter(Drafter):
                 if node is None:
                     break
                 n += 1
-            self.from_cache += n
+            self.from_cache += min(n, len(tokens) - 1)  # the last token is the target's own (bonus)
         self.last = None
 
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
