@@ -26,7 +26,6 @@ MLX's default, e.g. the CPU cores for the draft while the target has the GPU). `
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 import weakref
@@ -164,10 +163,10 @@ class CardDrafter(Drafter):
         """Bring the draft side to `history`: re-root the local tree on the new tokens (or clear it
         when the sequence was cut) and send the same correction to the draft side."""
         n = len(self.seq)
-        if len(history) == n and (n == 0 or history[-1] == self.seq[-1]):
+        recent = list(history[max(0, n - 8):n]) == self.seq[max(0, n - 8):]  # cheap: most steps append
+        if len(history) == n and recent:
             return
-        tail_ok = history[max(0, n - 8):n] == self.seq[max(0, n - 8):]
-        keep = n if len(history) > n and tail_ok else common_prefix(self.seq, history)
+        keep = n if len(history) > n and recent else common_prefix(self.seq, history)
         tail = [int(t) for t in history[keep:]]
         cut = keep < n or not self.seq
         self.seq = self.seq[:keep] + tail
