@@ -106,6 +106,11 @@ def test_tree_caps():
     t.grow([-1], np.array([[1, 2, 3, 4]]), np.full((1, 4), 0.25))
     t.grow(t.frontier, np.arange(16).reshape(4, 4) + 20, np.full((4, 4), 0.25))
     assert len(t) == 6 and t.full()
+    t = TokenTree(paths=2, top_k=2, depth=9, nodes=50, min_score=0.2)
+    t.grow([-1], np.array([[1, 2]]), np.array([[0.5, 0.3]]))
+    assert not t.full()
+    t.grow(t.frontier, np.array([[3, 4], [5, 6]]), np.array([[0.3, 0.1], [0.5, 0.1]]))
+    assert t.full()  # best path 0.5 * 0.3 = 0.15 < 0.2: not worth another pass
     with pytest.raises(CachebackError):
         make_drafter("card", draft="self:1", parallel=False, paths=0)
 

@@ -16,7 +16,8 @@ Proposals carry scores (cumulative draft probabilities), so the engine's per-pas
 (budget.Sizer) verifies as many of the best nodes as pay for their rows.
 
 Parameters: draft (required), parallel (true), paths K (4: paths kept per layer), top_k (4: children
-offered per node), depth (10: deepest node), nodes (40: tree size cap), layers (4: layers per step,
+offered per node), depth (10: deepest node), nodes (40: tree size cap), min_score (0: stop growing
+when no path's cumulative draft probability reaches it, which frees the cores), layers (4: layers per step,
 sequential mode), wait_ms (0: how long propose may wait for the first tree after a miss), threads
 (1: BLAS threads of the draft process), device (cpu or gpu: where the draft process runs; default:
 MLX's default, e.g. the CPU cores for the draft while the target has the GPU). `target`, `dtype` and
@@ -51,7 +52,7 @@ class CardDrafter(Drafter):
     name = "card"
 
     def __init__(self, draft=None, parallel: bool = True, paths: int = 4, top_k: int = 4, depth: int = 10,
-                 nodes: int = 40, layers: int = 4, wait_ms: float = 0.0, threads: int | None = 1,
+                 nodes: int = 40, min_score: float = 0.0, layers: int = 4, wait_ms: float = 0.0, threads: int | None = 1,
                  device: str | None = None, target=None, dtype: str | None = None, fingerprint: str | None = None):
         if draft is None or draft == "":
             raise CachebackError("the card drafter needs a draft model: --drafter-arg draft=self:N or draft=MODEL")
@@ -63,7 +64,8 @@ class CardDrafter(Drafter):
             parse_self(draft)  # a malformed self:N fails here, before a process starts
         if not isinstance(parallel, bool):
             raise CachebackError(f"parallel must be true or false (got {parallel!r})")
-        self.tree_args = dict(paths=int(paths), top_k=int(top_k), depth=int(depth), nodes=int(nodes))
+        self.tree_args = dict(paths=int(paths), top_k=int(top_k), depth=int(depth), nodes=int(nodes),
+                              min_score=float(min_score))
         TokenTree(**self.tree_args)  # checks the values (ValueError: one line via make_drafter)
         if layers < 1 or wait_ms < 0:
             raise ValueError("layers must be >= 1 and wait_ms >= 0")

@@ -118,14 +118,15 @@ class DraftRunner:
     """A draft model, its caches at the verified sequence, and the tree it grows."""
 
     def __init__(self, model: nn.Module, paths: int = 4, top_k: int = 4, depth: int = 10, nodes: int = 40,
-                 keep_tree: bool = True):
+                 min_score: float = 0.0, keep_tree: bool = True):
         self.model = model
         self.cache = ModelCache(model)
         unplaced = prepare_positions(model)
         self.chain = bool(self.cache.recurrent or unplaced)  # trees would be wrong there: grow a chain
         self.kept = keep_tree and not self.chain and not self.cache.shared_layers and bool(self.cache.kv) \
             and all(type(c) is TreeKVCache for c in self.cache.kv)
-        self.tree = TokenTree(1, 1, depth, min(nodes, depth)) if self.chain else TokenTree(paths, top_k, depth, nodes)
+        self.tree = (TokenTree(1, 1, depth, min(nodes, depth), min_score) if self.chain
+                     else TokenTree(paths, top_k, depth, nodes, min_score))
         self.seq: list[int] = []  # the verified sequence; seq[-1] is the tree's root
         self.cached: list[int] = []  # verified tokens in the caches
         self.slots: dict[int, int] = {}  # kept: node -> its slot past the verified tokens

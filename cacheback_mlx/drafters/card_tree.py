@@ -23,12 +23,14 @@ from ..tree import DraftTree
 
 
 class TokenTree:
-    def __init__(self, paths: int = 4, top_k: int = 4, depth: int = 10, nodes: int = 40):
+    def __init__(self, paths: int = 4, top_k: int = 4, depth: int = 10, nodes: int = 40, min_score: float = 0.0):
         """paths: nodes kept per layer (CARD's K); top_k: children offered per node; depth: the
-        deepest node; nodes: the tree's size cap."""
-        if paths < 1 or top_k < 1 or depth < 1 or nodes < 1:
-            raise ValueError("paths, top_k, depth and nodes must be >= 1")
+        deepest node; nodes: the tree's size cap; min_score: stop growing when no frontier node's
+        cumulative probability reaches it (a hopeless tree costs passes, and cores, for nothing)."""
+        if paths < 1 or top_k < 1 or depth < 1 or nodes < 1 or not 0 <= min_score < 1:
+            raise ValueError("paths, top_k, depth and nodes must be >= 1, min_score in [0, 1)")
         self.paths, self.top_k, self.max_depth, self.max_nodes = paths, top_k, depth, nodes
+        self.min_score = min_score
         self.clear()
 
     def clear(self) -> None:
@@ -44,6 +46,8 @@ class TokenTree:
     def full(self) -> bool:
         """Nothing left to grow: the node cap is reached or the frontier is as deep as allowed."""
         if len(self.tokens) >= self.max_nodes or not self.frontier:
+            return True
+        if all(f >= 0 and self.scores[f] < self.min_score for f in self.frontier):
             return True
         return all(f >= 0 and self.depths[f] >= self.max_depth for f in self.frontier)
 
