@@ -68,8 +68,8 @@ def main(argv: list[str]) -> int:
     try:
         spec = conn.recv()
         _serve(conn, spec)
-    except (EOFError, OSError, KeyboardInterrupt):
-        return 0  # the parent is gone
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        return 0  # the parent is gone (or closed the socket)
     except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         try:
