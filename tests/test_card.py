@@ -275,6 +275,39 @@ def test_killed_draft_process_degrades_to_plain_decoding_with_one_warning(ggufs,
     d.close()
 
 
+def save_zoo_folder(family, path):
+    """A zoo model as an mlx-lm model folder (weights, config, a word-level tokenizer), so that a
+    draft process can load it."""
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, zoo.tiny_model(family))
+    save_config(dict(zoo.FAMILIES[family]), path / "config.json")
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(zoo.VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_next"])
+def test_parallel_lossless_on_a_sliding_and_a_hybrid_family(family, tmp_path):
+    """The draft process runs a windowed model (the tree recomputed each layer) and a hybrid one
+    (recurrent layers: chains; the engine asks for chains too)."""
+    folder = save_zoo_folder(family, tmp_path / family)
+    target = load(folder)
+    truth = plain(target.model, n=32)
+    for draft in [folder, "self:2"]:
+        d = card(target, draft=draft, wait_ms=5000)
+        out, eng = run(target.model, d, n=32)
+        assert out == truth, (family, draft)
+        assert d.chain == (family in zoo.HYBRID)
+        if draft == folder:
+            assert eng.stats.mat >= 1.5, eng.stats.mat
+        d.close()
+
+
 SCRIPT = """
 import sys
 from cacheback_mlx.api import Session
