@@ -80,7 +80,7 @@ class Session:
 
     def make_drafter(self, name: str, **params):
         """A drafter for this model (tables tied to a tokenizer are checked against it)."""
-        return make_drafter(name, fingerprint=self.fingerprint, **params)
+        return make_drafter(name, fingerprint=self.fingerprint, target=self.loaded, **params)
 
     def set_drafter(self, name: str, **params) -> None:
         self.engine.set_drafter(self.make_drafter(name, **params))

@@ -43,7 +43,7 @@ def drafter_option(fn):
     from .api import DEFAULT_DRAFTER
 
     fn = click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
-                      help="Drafter: auto, none, ngram, cacheback, pld, rest, ssd.")(fn)
+                      help="Drafter: auto, none, ngram, cacheback, pld, rest, ssd, card.")(fn)
     fn = click.option("--draft-budget", type=int, default=None,
                       help="The most draft tokens per verify pass (default 63; each pass takes as many as "
                            "pay for themselves, from the measured pass cost).")(fn)
@@ -338,10 +338,13 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
 
 @main.command()
 @click.option("--model", "model_spec", default=None, help="Also load this model and say what the engine makes of it.")
+@click.option("--drafter", default=None, help="Also try this drafter on the model (16 tokens) and show its stats.")
+@click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE", help="A drafter parameter (repeatable).")
 @user_errors
-def doctor(model_spec):
+def doctor(model_spec, drafter, drafter_args):
     """Show the backend, BLAS status and default settings; with --model, the model's family, its
-    layer caches by kind and its verify path (draft trees, or chains and why)."""
+    layer caches by kind and its verify path (draft trees, or chains and why); with --drafter, a
+    short generation with that drafter and the drafter's own stats."""
     import mlx.core as mx
 
     from .budget import cost_path
@@ -361,6 +364,15 @@ def doctor(model_spec):
         click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
+    if drafter is not None:
+        from .api import Session
+
+        session = Session(model_spec, drafter, fixed_budget=True, **parse_drafter_args(drafter_args))
+        list(session.stream_ids(session.encode("Hello", chat=False), 16))
+        s = session.stats
+        click.echo(f"drafter {drafter}: 16 tokens in {s.passes} passes, MAT {s.mat:.2f}; "
+                   + ", ".join(f"{k} {v}" for k, v in session.engine.drafter.stats().items()))
+        session.engine.drafter.close()
 
 
 if __name__ == "__main__":

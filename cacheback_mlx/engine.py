@@ -174,6 +174,8 @@ class Engine:
 
     def set_drafter(self, drafter: Drafter) -> None:
         """Switch drafters; the new one learns the current sequence so it can draft at once."""
+        if drafter is not self.drafter:
+            self.drafter.close()
         self.drafter = drafter
         drafter.observe(self.history)
 

@@ -41,6 +41,9 @@ def pass_mask(tp: TreePass, offset: int, start: int, n: int, window: int | None)
         back = (offset + rel)[:, None] - mx.arange(start, offset, dtype=mx.int32)[None]
         seen = back < window
         in_pass = in_pass & ((rel[:, None] - rel[None]) < window)
+    if tp.tail is not None:  # the last cached slots hold a tree: each row sees only its ancestors there
+        t = tp.tail.shape[1]
+        seen = mx.concatenate([seen[:, : cached - t], seen[:, cached - t :] & tp.tail], axis=1)
     return mx.concatenate([seen, in_pass], axis=1)
 
 
@@ -225,10 +228,12 @@ class ModelCache:
         for c in self.recurrent:
             c.snapshot()
 
-    def finish_pass(self, rows: list[int], whole: bool) -> bool:
+    def finish_pass(self, rows: list[int], whole: bool, committed: int | None = None) -> bool:
         """After a pass that wrote rows length.. of each cache, keep only `rows` (relative to the
         old length, compacted). With recurrent layers only a pass accepted whole (`whole`: every
-        row kept, no padding) can stay; otherwise everything is undone. Returns whether kept."""
+        row kept, no padding) can stay; otherwise everything is undone. Returns whether kept.
+        committed: how many of the kept rows join the sequence (default all); the others stay
+        stored past it (a draft tree kept in the cache, drafters/card_model.py)."""
         base = self.length
         self.in_pass = False
         if self.recurrent and not whole:
@@ -245,7 +250,7 @@ class ModelCache:
                 c.move_rows(src, dst)
         for c in self.kv:
             c.trim_to(base + n)
-        self.length = base + n
+        self.length = base + (n if committed is None else committed)
         return True
 
     def advance(self, n: int) -> None:

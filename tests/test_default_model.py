@@ -56,7 +56,8 @@ def drafter_params(default_model, tmp_path_factory):
     lib = Path(sysconfig.get_paths()["stdlib"])
     docs = [default_model.tokenizer.encode(p.read_text()) for p in (lib / "textwrap.py", lib / "string.py")]
     save_datastore(docs, folder / "rest")
-    return {"rest": {"datastore": str(folder / "rest")}, "ssd": {"path": str(folder / "ssd.npy")}}
+    return {"rest": {"datastore": str(folder / "rest")}, "ssd": {"path": str(folder / "ssd.npy")},
+            "card": {"draft": "self:8", "parallel": False, "target": default_model}}
 
 
 @pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])

@@ -176,7 +176,11 @@ def test_every_registered_drafter_is_lossless_on_tiny_models(tiny_model, tmp_pat
     prompt = PROMPT * 4  # repetition gives the drafters something to find
     truth, _ = run(tiny_model, NoDrafter(), prompt=prompt, n=40)
     save_datastore([prompt + truth[:20], truth], tmp_path / "rest")
-    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")}}
+    from cacheback_mlx.loader import LoadedModel
+
+    target = LoadedModel(tiny_model, None, "tiny", "", 4096, "float32", None)
+    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")},
+              "card": {"draft": "self:1", "parallel": False, "target": target}}
     for name in drafter_names():
         d = make_drafter(name, **params.get(name, {}))
         out, eng = run(tiny_model, d, prompt=prompt, n=40, draft_budget=16)

@@ -131,7 +131,11 @@ def test_every_registered_drafter_is_lossless_on_sliding_and_hybrid_families(nam
     prompt = PROMPT[:12] * 3  # repetition gives the drafters something to find
     truth = reference(model, prompt, 32)
     save_datastore([prompt + truth[:16], truth], tmp_path / "rest")
-    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")}}
+    from cacheback_mlx.loader import LoadedModel
+
+    target = LoadedModel(model, None, name, "", 4096, "float32", None)
+    params = {"rest": {"datastore": str(tmp_path / "rest")}, "ssd": {"path": str(tmp_path / "ssd.npy")},
+              "card": {"draft": "self:3", "parallel": False, "target": target}}
     for d in drafter_names():
         out, eng = run(model, make_drafter(d, **params.get(d, {})), prompt=prompt, n=32, draft_budget=16)
         assert out == truth, (name, d)

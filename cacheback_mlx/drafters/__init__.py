@@ -17,6 +17,7 @@ DRAFTERS: dict[str, str] = {
     "pld": "cacheback_mlx.drafters.pld:PromptLookupDrafter",
     "rest": "cacheback_mlx.drafters.rest:RestDrafter",
     "ssd": "cacheback_mlx.drafters.ssd:SsdDrafter",
+    "card": "cacheback_mlx.drafters.card:CardDrafter",
 }
 
 
@@ -24,11 +25,13 @@ def drafter_names() -> list[str]:
     return list(DRAFTERS)
 
 
-def make_drafter(name: str | Drafter, fingerprint: str | None = None, **params) -> Drafter:
+def make_drafter(name: str | Drafter, fingerprint: str | None = None, target=None, **params) -> Drafter:
     """A new drafter by name, with its parameters (e.g. make_drafter("ngram", max_draft=6)).
 
     fingerprint: the model tokenizer's (tokenizer.vocab_fingerprint), passed on to drafters whose
-    offline tables are tied to one tokenizer (those that take a `fingerprint` argument)."""
+    offline tables are tied to one tokenizer (those that take a `fingerprint` argument).
+    target: the target model as loaded (loader.LoadedModel), passed on to drafters that run a draft
+    model of their own from it (those that take a `target` argument: CARD's self:N, its dtype)."""
     if isinstance(name, Drafter):
         return name
     if name not in DRAFTERS:
@@ -40,6 +43,8 @@ def make_drafter(name: str | Drafter, fingerprint: str | None = None, **params) 
         raise CachebackError(f"drafter {name!r} is not available: {e}") from None
     if fingerprint is not None and "fingerprint" in inspect.signature(klass).parameters:
         params.setdefault("fingerprint", fingerprint)
+    if target is not None and "target" in inspect.signature(klass).parameters:
+        params.setdefault("target", target)
     try:
         return klass(**params)
     except (TypeError, ValueError) as e:

@@ -21,6 +21,7 @@ class Drafter:
       observe(accepted_tokens)           after each step, with the tokens just accepted
       end_request()                      when the generation ends
       stats() -> dict                    what the drafter wants reported (`generate --stats`)
+      close()                            when the drafter is replaced (frees processes it runs)
     State persists across requests and turns until reset(), so later turns can get faster.
     """
 
@@ -47,6 +48,9 @@ class Drafter:
     def stats(self) -> dict:
         """Drafter-specific figures worth reporting (e.g. a datastore's size); none by default."""
         return {}
+
+    def close(self) -> None:
+        """Release what the drafter holds outside Python objects (e.g. a draft process)."""
 
 
 class NoDrafter(Drafter):
