@@ -5,9 +5,10 @@
     print(generate("Write a haiku", drafter="ngram"))
 """
 
-from . import blas
+from . import blas, malloc
 
 blas.preload_openblas()  # must run before the first `import mlx.core`
+malloc.fix_mmap_threshold()  # keeps a long-running server's memory flat (malloc.py)
 
 _API = {"load": "loader", "generate": "api", "stream_generate": "api", "Session": "api",
         "make_drafter": "drafters", "drafter_names": "drafters", "CachebackError": "errors"}

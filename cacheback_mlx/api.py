@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 from mlx.utils import tree_flatten
 
 from .budget import CostTable, Sizer, load_or_measure
-from .drafters import drafter_names, make_drafter
+from .drafters import drafter_names, drafter_parameters, make_drafter
 from .engine import Engine, Stats
 from .errors import CachebackError
 from .loader import LoadedModel, load
@@ -60,7 +60,7 @@ class Session:
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         first_drafter = self.make_drafter(drafter, **drafter_params)
-        self.drafter_name = drafter
+        self.drafter_name, self.drafter_params = drafter, drafter_params
         self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
                              self.loaded.context_length, draft_budget=draft_budget, peers=peers)
         if not fixed_budget and peers is None:
@@ -84,7 +84,15 @@ class Session:
 
     def set_drafter(self, name: str, **params) -> None:
         self.engine.set_drafter(self.make_drafter(name, **params))
-        self.drafter_name = name
+        self.drafter_name, self.drafter_params = name, params
+
+    def fresh_drafter(self) -> None:
+        """A new drafter that has learned nothing, not even what a drafter keeps on disk (SSD's
+        store): the baseline that shows what learning across requests brings."""
+        params = dict(self.drafter_params)
+        if "persist" in drafter_parameters(self.drafter_name):
+            params["persist"] = False
+        self.engine.reset_drafter(self.make_drafter(self.drafter_name, **params))
 
     def reset(self) -> None:
         self.engine.reset()

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from . import blas  # noqa: F401  (imported first: preloads OpenBLAS before mlx)
+from . import blas, malloc  # noqa: F401  (imported first: preloads OpenBLAS before mlx)
 from .errors import CachebackError
 
 
@@ -352,6 +352,7 @@ def doctor(model_spec, drafter, drafter_args):
 
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
+    click.echo(f"malloc: {malloc.status}")
     click.echo(f"draft budget: chosen per pass from the measured pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
     if model_spec is not None:

@@ -179,10 +179,14 @@ class Engine:
         self.drafter = drafter
         drafter.observe(self.history)
 
-    def reset_drafter(self) -> None:
-        """A fresh drafter state; the caches stay. The drafter relearns the next prompt whole."""
-        self.drafter.reset()
+    def reset_drafter(self, drafter: Drafter | None = None) -> None:
+        """A fresh drafter state (or `drafter`, a new one, in place of the current); the caches
+        stay. The drafter relearns the next prompt whole."""
         self.history = []
+        if drafter is None:
+            self.drafter.reset()
+        else:
+            self.set_drafter(drafter)
 
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""

@@ -78,6 +78,14 @@ def test_window_limits_the_context_history_not_the_tables():
     assert d.predict_next([4, 5, 6]) == 7
 
 
+def test_tables_are_bounded_and_keep_the_newest_contexts():
+    d = NGramDrafter(max_contexts=100)
+    d.observe(range(1000, 1400))  # 400 new contexts per order
+    assert all(len(t) <= 100 for t in d.tables.values())
+    assert d.predict_next([1397, 1398]) == 1399  # the newest counts survive
+    assert d.predict_next([1001]) is None  # the oldest were dropped
+
+
 def test_reset_forgets():
     d = NGramDrafter()
     d.observe([1, 2, 1, 2])

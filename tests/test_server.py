@@ -375,3 +375,30 @@ def test_session_truncates_only_with_the_option(tmp_path):
     ids, cut = s.fit(s.encode(long, chat=False), 8)
     assert cut and len(ids) == 120
     assert s.generate(long, 8, chat=False, truncate=True) == "".join(t for t, _ in s.stream_ids(ids, 8))
+
+
+def test_keep_drafter_false_gives_every_request_a_drafter_that_learned_nothing(tmp_path):
+    """The editor replay's baseline: nothing carried over, not even SSD's store on disk."""
+    path = tmp_path / "fim.gguf"
+    write_tiny_gguf(path, context=256, fim=True)
+    session = Session(str(path), "auto", ssd_path=str(tmp_path / "ssd"), fixed_budget=True)
+    kept = start(session)
+    body = {"prompt": "abc abc abc abc", "n_predict": 12, "temperature": 0}
+    answers = [httpx.post(kept[2] + "/completion", json=body, timeout=60).json()["content"] for _ in range(2)]
+    kept[0].should_exit = True
+    kept[1].join(5)
+    server, thread, url = start(session, keep_drafter=False)
+    seen = []
+    for _ in range(2):
+        assert httpx.post(url + "/completion", json=body, timeout=60).json()["content"] == answers[0]
+        seen.append(session.engine.drafter)
+    server.should_exit = True
+    thread.join(5)
+    assert answers[0] == answers[1]
+    assert seen[0] is not seen[1]  # a new drafter per request
+    fresh = seen[1]
+    assert fresh.ssd.store is None  # it neither read nor wrote the store on disk
+    from cacheback_mlx.drafters.ssd_store import SsdStore
+    from cacheback_mlx.drafters.suffix import SEP
+    assert (SsdStore(tmp_path / "ssd", 10_000).load() == SEP).sum() == 2  # the two kept requests only
+    assert fresh.scorer.bias_n == fresh.labelled  # its estimates learned from this request only

@@ -75,7 +75,9 @@ def hang_up(path: str, body: dict, client: httpx.Client) -> int:
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("soak") / "fim.gguf"
     write_tiny_gguf(path, context=512, fim=True)
-    srv, thread, url = start(Session(str(path), "auto", ssd_path=str(path.parent / "ssd")))
+    # SSD's buffer grows until it holds `capacity` tokens (4M by default, ~80 MB with its index):
+    # a small one is full within the warm-up, so whatever grows after it is a leak
+    srv, thread, url = start(Session(str(path), "auto", ssd_path=str(path.parent / "ssd"), ssd_capacity=20_000))
     yield url
     srv.should_exit = True
     thread.join(10)

@@ -266,7 +266,7 @@ def main(argv=None) -> None:
     ap.add_argument("--every", type=int, default=3, help="a completion request every K lines typed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
-    ap.add_argument("--drafter", default="cacheback")
+    ap.add_argument("--drafter", default="auto")
     ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")
     ap.add_argument("--state", choices=["kept", "fresh", "both"], default="both")
     ap.add_argument("--no-extra", action="store_true", help="no ring-buffer chunks (input_extra empty, no warm-ups)")
@@ -277,7 +277,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if min(args.blocks, args.block_lines, args.every) < 1:
         ap.error("--blocks, --block-lines and --every must be >= 1")
+    import tempfile
+
     from cacheback_mlx.api import Session
+    from cacheback_mlx.drafters import drafter_parameters
 
     path = args.file or default_file()
     lines = path.read_text(encoding="utf-8").split("\n")
@@ -285,7 +288,10 @@ def main(argv=None) -> None:
     states = ["kept", "fresh"] if args.state == "both" else [args.state]
     results = {}
     for state in states:
-        session = Session(args.model, args.drafter, draft_budget=args.draft_budget)
+        # SSD starts from an empty store of its own, not from what this machine served before
+        store = {k: tempfile.mkdtemp(prefix="replay-ssd-") for k in ("ssd_path", "path")
+                 if k in drafter_parameters(args.drafter)}
+        session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
         if not results:
             header(args, path, session)
         results[state] = run_state(events, session, state == "kept", args)

@@ -25,6 +25,21 @@ def drafter_names() -> list[str]:
     return list(DRAFTERS)
 
 
+def _class(name: str):
+    if name not in DRAFTERS:
+        raise CachebackError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
+    module, cls = DRAFTERS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise CachebackError(f"drafter {name!r} is not available: {e}") from None
+
+
+def drafter_parameters(name: str) -> list[str]:
+    """The parameters a drafter takes, by name."""
+    return list(inspect.signature(_class(name)).parameters)
+
+
 def make_drafter(name: str | Drafter, fingerprint: str | None = None, target=None, **params) -> Drafter:
     """A new drafter by name, with its parameters (e.g. make_drafter("ngram", max_draft=6)).
 
@@ -34,13 +49,7 @@ def make_drafter(name: str | Drafter, fingerprint: str | None = None, target=Non
     model of their own from it (those that take a `target` argument: CARD's self:N, its dtype)."""
     if isinstance(name, Drafter):
         return name
-    if name not in DRAFTERS:
-        raise CachebackError(f"unknown drafter {name!r}; known drafters: {', '.join(DRAFTERS)}")
-    module, cls = DRAFTERS[name].split(":")
-    try:
-        klass = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise CachebackError(f"drafter {name!r} is not available: {e}") from None
+    klass = _class(name)
     if fingerprint is not None and "fingerprint" in inspect.signature(klass).parameters:
         params.setdefault("fingerprint", fingerprint)
     if target is not None and "target" in inspect.signature(klass).parameters:
@@ -51,4 +60,4 @@ def make_drafter(name: str | Drafter, fingerprint: str | None = None, target=Non
         raise CachebackError(f"bad parameters for drafter {name!r}: {e}") from None
 
 
-__all__ = ["Drafter", "NoDrafter", "DRAFTERS", "drafter_names", "make_drafter"]
+__all__ = ["Drafter", "NoDrafter", "DRAFTERS", "drafter_names", "drafter_parameters", "make_drafter"]

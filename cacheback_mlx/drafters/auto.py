@@ -112,11 +112,13 @@ class AutoDrafter(Drafter):
 
     def __init__(self, ssd: bool = True, ssd_path: str | Path | None = None, persist: bool = True,
                  frozen: str | Path | bool | None = None, fingerprint: str | None = None,
-                 datastore: str | Path | None = None, max_expand: int = 24):
-        """ssd=False leaves out the cross-request buffer (ssd_path / persist are SsdDrafter's);
+                 datastore: str | Path | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000):
+        """ssd=False leaves out the cross-request buffer (ssd_path / persist / ssd_capacity are
+        SsdDrafter's path / persist / capacity);
         frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
-        self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint) if ssd else None
+        self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
+                              capacity=ssd_capacity) if ssd else None
         self.rest = None
         if datastore is not None:
             from .rest import RestDrafter

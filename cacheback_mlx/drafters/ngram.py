@@ -3,8 +3,9 @@
 Count tables for orders 2, 3 and 4 map an FNV-1a hash of the last 1, 2 or 3 tokens to the counts
 of the token that followed. A draft is a chain: look up the longest context first, back off to
 shorter ones, take its most frequent continuation, append it to the context and repeat. As in the
-seed, only the context history is windowed (512 tokens); the count tables keep every count.
-Among equally frequent continuations the most recently counted one wins.
+seed, only the context history is windowed (512 tokens); the count tables keep every count, up to
+`max_contexts` contexts per order (a server runs for hours: past that, the half first seen is
+dropped). Among equally frequent continuations the most recently counted one wins.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ def fnv1a(tokens: Sequence[int]) -> int:
 class NGramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, max_draft: int = 4, min_order: int = 2, max_order: int = 4, window: int = 512):
+    def __init__(self, max_draft: int = 4, min_order: int = 2, max_order: int = 4, window: int = 512,
+                 max_contexts: int = 1 << 17):
         if not 2 <= min_order <= max_order:
             raise ValueError("need 2 <= min_order <= max_order")
         self.max_draft = max_draft
         self.orders = range(max_order, min_order - 1, -1)  # longest context first
         self.window = window
+        self.max_contexts = max_contexts
         self.reset()
 
     def reset(self) -> None:
@@ -50,6 +53,10 @@ class NGramDrafter(Drafter):
         entry = table.get(h)
         if entry is None:
             table[h] = [{token: 1}, token, 1]
+            if len(table) > self.max_contexts:  # keep the newer half (dicts keep insertion order)
+                keep = list(table.items())[len(table) // 2 :]
+                table.clear()
+                table.update(keep)
             return
         counts = entry[0]
         n = counts.get(token, 0) + 1

@@ -180,7 +180,7 @@ class Generator:
         """Text pieces as they become final (stop strings and rules applied), one per engine step
         ("" when a step's text is held back); call holding `turn`."""
         if not self.keep_drafter:
-            self.session.engine.reset_drafter()
+            self.session.fresh_drafter()
         if job.max_tokens == 0:
             self.session.engine.prefill_only(job.ids, job.context)
             job.stop_type, job.timings = "limit", self.timings(job, prefill_only=True)
