@@ -252,7 +252,7 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--per-category", default=2, show_default=True, help="Prompts per category.")
 @click.option("--humaneval-prompts", type=int, default=None, help="HumanEval prompts (default: --per-category).")
 @click.option("--max-tokens", "-n", default=128, show_default=True)
-@click.option("--drafters", default="none,ngram,cacheback", show_default=True, help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
+@click.option("--drafters", default="none,auto,cacheback,ngram", show_default=True, help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
                    "reported under that label: cacheback:frozen=false,cacheback:ll=2:fl=1.")
 @click.option("--drafter-arg", "drafter_args", multiple=True, metavar="NAME.KEY=VALUE",
               help="A drafter parameter, e.g. --drafter-arg cacheback.tdl=32 (repeatable).")
