@@ -27,7 +27,7 @@ from .errors import CachebackError
 from .kvcache import ModelCache
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
-from .tree import DraftTree
+from .tree import DraftTree, common_prefix
 from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -85,14 +85,6 @@ class Stats:
         d.update(mat=round(self.mat, 3), tokens_per_s=round(self.tokens_per_s, 2),
                  draft_us_per_pass=round(self.draft_us_per_pass, 1))
         return d
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:

@@ -11,6 +11,7 @@ n-node tree; the engine then sizes each pass from them (budget.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -102,3 +103,12 @@ class DraftTree:
         if n >= len(self):
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], None if self.scores is None else self.scores[:n])
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share (the engine's caches, CARD's draft cache)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -33,9 +33,8 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
-from ..engine import common_prefix
 from ..errors import CachebackError
-from ..tree import DraftTree
+from ..tree import DraftTree, common_prefix
 from .base import Drafter
 from .card_tree import TokenTree
 

@@ -29,11 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..engine import common_prefix
 from ..errors import CachebackError
 from ..kvcache import ModelCache, TreeKVCache
 from ..positions import attach_tree_pass, prepare_positions
-from ..tree import DraftTree
+from ..tree import DraftTree, common_prefix
 from ..verify import prefill, verify_pass
 from .card_tree import TokenTree
 
