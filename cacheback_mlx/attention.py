@@ -1,4 +1,4 @@
-"""Attention for passes of several rows (verify passes, prefill) on MLX's CPU backend.
+"""Attention for passes of a few rows (verify passes) on MLX's CPU backend.
 
 On the CPU, `mx.fast.scaled_dot_product_attention` is a plain matmul -> softmax -> matmul, and with
 more than one query row its exp dominates: MLX's CPU exp runs at ~12 ns an element on the x86
@@ -7,8 +7,8 @@ default model (docs/BENCHMARKS.md §11). Here the softmax's exp is a range-reduc
 (2^x = 2^n * p(f), |f| <= 1/2, degree 7: within ~1 ulp of float32 exp) that MLX compiles into one
 vectorised elementwise kernel, ~5x faster; the matmuls stay MLX's (BLAS).
 
-Used only where it pays and nothing else changes: the CPU device, float32, more than one query
-row, no attention sinks, and the engine's own caches (a cache class with `fast_attention = True`).
+Used only where it pays and nothing else changes: the CPU device, float32, 2 to 8 query rows (more
+while the scores stay small: not prefill chunks), no attention sinks, and the engine's own caches (a cache class with `fast_attention = True`).
 One-row decoding steps, mlx-lm's own caches (so plain mlx-lm in the same process), Metal and CUDA
 all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
 """
@@ -87,8 +87,17 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return out.reshape(B, H, T, -1)
 
 
+# Where it wins (tools/attention_ab.py, docs/BENCHMARKS.md §11): its softmax is several elementwise
+# passes over the scores where MLX's is one, so past ~16k scores per head it loses (a 512-row
+# prefill chunk over 3,000 cached tokens: 1.38x MLX's time). Up to 8 rows it wins at every length.
+MAX_ROWS_ANY_LENGTH = 8
+MAX_SCORES = 16384  # rows x keys, per head
+
+
 def _usable(queries, keys, cache, sinks, mask) -> bool:
-    return (enabled and sinks is None and getattr(cache, "fast_attention", False) and queries.shape[2] > 1
+    T, S = queries.shape[2], keys.shape[2]
+    return (enabled and sinks is None and getattr(cache, "fast_attention", False)
+            and 1 < T and (T <= MAX_ROWS_ANY_LENGTH or T * S <= MAX_SCORES)
             and queries.dtype == mx.float32 and queries.shape[1] % keys.shape[1] == 0
             and (mask is None or isinstance(mask, str) or mask.ndim in (2, 4))
             and mx.default_device() == mx.cpu)

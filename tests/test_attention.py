@@ -62,3 +62,14 @@ def test_used_only_for_our_caches_several_rows_float32_no_sinks(monkeypatch):
     monkeypatch.setattr(attention, "enabled", False)
     sdpa(q8, k, k, _Ours(), 1.0, "causal")
     assert calls == ["ours"] + ["stock"] * 5
+
+
+def test_prefill_sized_passes_keep_the_fused_kernel(monkeypatch):
+    """Many rows over a long cache (prefill chunks, big trees) are slower through ours."""
+    calls = []
+    monkeypatch.setattr(attention, "cpu_attention", lambda *a: calls.append("ours") or a[0])
+    monkeypatch.setattr(attention, "stock", lambda q, *a, **k: calls.append("stock") or q)
+    sdpa = attention.scaled_dot_product_attention
+    for rows, keys in ((8, 4000), (32, 256), (16, 3000), (512, 600)):
+        sdpa(mx.zeros((1, 4, rows, 8)), mx.zeros((1, 2, keys, 8)), mx.zeros((1, 2, keys, 8)), _Ours(), 1.0, "causal")
+    assert calls == ["ours", "ours", "stock", "stock"]
