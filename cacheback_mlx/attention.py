@@ -8,7 +8,8 @@ default model (docs/BENCHMARKS.md §11). Here the softmax's exp is a range-reduc
 vectorised elementwise kernel, ~5x faster; the matmuls stay MLX's (BLAS).
 
 Used only where it pays and nothing else changes: the CPU device, float32, 2 to 8 query rows (more
-while the scores stay small: not prefill chunks), no attention sinks, and the engine's own caches (a cache class with `fast_attention = True`).
+while the scores stay small: not prefill chunks), no attention sinks, and the engine's own caches
+(a cache class with `fast_attention = True`).
 One-row decoding steps, mlx-lm's own caches (so plain mlx-lm in the same process), Metal and CUDA
 all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
 """

@@ -38,7 +38,7 @@ def fix_mmap_threshold(threshold: int = THRESHOLD) -> str:
     else:
         try:
             libc = ctypes.CDLL(None)
-            gnu = ctypes.CDLL(None).gnu_get_libc_version  # glibc only (musl's mallopt does nothing)
+            gnu = libc.gnu_get_libc_version  # glibc only (musl's mallopt does nothing)
             gnu.restype = ctypes.c_char_p
             ok = libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
             # the dynamic raise moved the trim threshold to twice the mmap one: set it back too
