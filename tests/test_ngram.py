@@ -98,3 +98,14 @@ def test_replay_mat_on_recorded_streams_matches_the_reference():
     r = replay_all(lambda: make_drafter("ngram"), load_streams())
     assert 1.8 <= r.mat <= 2.0, r.mat  # reference figure: 1.89
     assert r.draft_seconds / r.steps < 1e-3
+
+
+def test_bad_table_bounds_are_one_line_errors(tmp_path):
+    from cacheback_mlx.errors import CachebackError
+
+    with pytest.raises(CachebackError, match="max_contexts must be >= 2"):
+        make_drafter("ngram", max_contexts=0)
+    with pytest.raises(CachebackError, match="capacity must be >= 1"):
+        make_drafter("ssd", path=tmp_path / "ssd", capacity=0)
+    with pytest.raises(CachebackError, match="capacity must be >= 1"):
+        make_drafter("auto", ssd_path=tmp_path / "ssd", ssd_capacity=-5)

@@ -36,6 +36,8 @@ class NGramDrafter(Drafter):
                  max_contexts: int = 1 << 17):
         if not 2 <= min_order <= max_order:
             raise ValueError("need 2 <= min_order <= max_order")
+        if max_contexts < 2:
+            raise ValueError(f"max_contexts must be >= 2 (got {max_contexts})")
         self.max_draft = max_draft
         self.orders = range(max_order, min_order - 1, -1)  # longest context first
         self.window = window

@@ -41,6 +41,8 @@ class SsdDrafter(Drafter):
                  fingerprint: str | None = None):
         """path: the store's folder (default: one per tokenizer `fingerprint` under the user's
         cache); persist=False keeps the buffer in memory only."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 token (got {capacity})")
         self.path = Path(path) if path else default_path(fingerprint)
         self.capacity, self.max_n, self.length = capacity, max_n, length
         self.top_k, self.max_count, self.persist = top_k, max_count, persist
