@@ -8,10 +8,11 @@ default model (docs/BENCHMARKS.md §11). Here the softmax's exp is a range-reduc
 vectorised elementwise kernel, ~5x faster; the matmuls stay MLX's (BLAS).
 
 Used only where it pays and nothing else changes: the CPU device, float32, 2 to 8 query rows (more
-while the scores stay small: not prefill chunks), no attention sinks, and the engine's own caches
-(a cache class with `fast_attention = True`).
-One-row decoding steps, mlx-lm's own caches (so plain mlx-lm in the same process), Metal and CUDA
-all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
+while the scores stay small: not prefill chunks), one row over a long cache (MLX's kernel takes
+~1.2 ms a layer for one row over 3,000 keys, this one ~0.5 ms), no attention sinks, and the
+engine's own caches (a cache class with `fast_attention = True`).
+One-row steps over a short cache, mlx-lm's own caches (so plain mlx-lm in the same process), Metal
+and CUDA all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ COEFFS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.0096181
           0.0013333558146428443, 0.00015403530393381608, 1.525273380405984e-05)
 
 enabled = os.environ.get("CACHEBACK_MLX_FAST_ATTENTION", "1") != "0"
+VERSION = 2  # where it is used and how fast: part of the verify-cost cache key (budget.cost_path)
 stock = base.scaled_dot_product_attention
 
 
-def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
-    """For x <= 0: p(f) and the float32 bits of 2^n, with x * log2(e) = n + f, |f| <= 1/2."""
-    y = mx.maximum(x * LOG2E, -127.0)  # 2^-127 and below: 0 (the exponent bits below are 0)
-    n = mx.round(y)
+MAGIC = 12582912.0  # 1.5 * 2^23: (y + MAGIC) - MAGIC rounds y to the nearest integer in float32
+
+
+def _exp_parts(x: mx.array, shift) -> tuple[mx.array, mx.array]:
+    """For x <= shift: p(f) and the float32 bits of 2^n, with (x - shift) * log2(e) = n + f,
+    |f| <= 1/2. The rounding adds and takes away 1.5 * 2^23 (ties to even, like mx.round) so the
+    whole graph compiles to one vectorised loop (MLX's CPU round is a scalar call)."""
+    y = mx.maximum((x - shift) * LOG2E, -127.0)  # 2^-127 and below: 0 (the exponent bits below are 0)
+    n = (y + MAGIC) - MAGIC
     f = y - n
     p = COEFFS[-1]
     for c in reversed(COEFFS[:-1]):
@@ -47,26 +54,26 @@ def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
 _compiled_parts = mx.compile(_exp_parts, shapeless=True)
 
 
-def exp_nonpositive(x: mx.array, parts=None) -> mx.array:
-    """exp(x) for x <= 0 (a softmax's numerators, after subtracting the row's max); -inf gives 0.
-    Within ~1e-7 relative of exp for x >= -10; float32 range reduction limits it to ~4e-6 near
-    the bottom of the normal range (x ~ -87), where the values are < 1e-37."""
-    p, bits = (parts or _exp_parts)(x)
+def exp_nonpositive(x: mx.array, shift=0.0, parts=None) -> mx.array:
+    """exp(x - shift) for x <= shift (a softmax's numerators, shift = the row's max); -inf gives 0.
+    Within ~1e-7 relative of exp for x - shift >= -10; float32 range reduction limits it to ~4e-6
+    near the bottom of the normal range (~ -87), where the values are < 1e-37."""
+    p, bits = (parts or _exp_parts)(x, shift)
     return p * bits.view(mx.float32)
 
 
-def _fused_exp(x: mx.array) -> mx.array:
+def _fused_exp(x: mx.array, shift=0.0) -> mx.array:
     """exp_nonpositive through the compiled kernel (MLX's CPU compiler needs a C++ compiler;
     without one, plain ops)."""
     global _compiled_parts
     try:
-        return exp_nonpositive(x, _compiled_parts)
+        return exp_nonpositive(x, shift, _compiled_parts)
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel: the uncompiled ops
         if _compiled_parts is _exp_parts:
             raise
         print(f"cacheback-mlx: no compiled exp kernel ({type(e).__name__}: {e}); using plain ops", file=sys.stderr)
         _compiled_parts = _exp_parts
-        return exp_nonpositive(x)
+        return exp_nonpositive(x, shift)
 
 
 def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
@@ -83,7 +90,7 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         if mask.ndim == 4:  # [B, 1 or H, T, S] -> [B, 1 or Hk, 1 or r, T, S]
             mask = mask.reshape(mask.shape[0], 1, 1, T, S) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], Hk, r, T, S)
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    e = _fused_exp(scores - scores.max(-1, keepdims=True))
+    e = _fused_exp(scores, scores.max(-1, keepdims=True))
     out = (e.reshape(B, Hk, r * T, S) @ values) / e.sum(-1).reshape(B, Hk, r * T, 1)
     return out.reshape(B, H, T, -1)
 
@@ -93,12 +100,13 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
 # prefill chunk over 3,000 cached tokens: 1.38x MLX's time). Up to 8 rows it wins at every length.
 MAX_ROWS_ANY_LENGTH = 8
 MAX_SCORES = 16384  # rows x keys, per head
+MIN_KEYS_ONE_ROW = 512  # one query row: ours from this many keys on (level with MLX's below)
 
 
 def _usable(queries, keys, cache, sinks, mask) -> bool:
     T, S = queries.shape[2], keys.shape[2]
     return (enabled and sinks is None and getattr(cache, "fast_attention", False)
-            and 1 < T and (T <= MAX_ROWS_ANY_LENGTH or T * S <= MAX_SCORES)
+            and (S >= MIN_KEYS_ONE_ROW if T == 1 else T <= MAX_ROWS_ANY_LENGTH or T * S <= MAX_SCORES)
             and queries.dtype == mx.float32 and queries.shape[1] % keys.shape[1] == 0
             and (mask is None or isinstance(mask, str) or mask.ndim in (2, 4))
             and mx.default_device() == mx.cpu)

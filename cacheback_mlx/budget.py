@@ -242,11 +242,11 @@ def cpu_name() -> str:
 
 def cost_path(model_key: str) -> Path:
     """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx, and
-    whether attention.py's CPU attention is off)."""
+    attention.py's CPU attention: off, or which version of it)."""
     from . import attention
 
     ident = "|".join([model_key, str(mx.default_device()), cpu_name(), mx.__version__]
-                     + ([] if attention.enabled else ["mlx-attention"]))
+                     + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")
 

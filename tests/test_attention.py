@@ -24,6 +24,16 @@ def test_exp_close_to_exp_and_exact_zero_for_masked():
         np.testing.assert_allclose(np.array(_fused_exp(x)), np.exp(np.array(x, dtype=np.float64)), rtol=6e-7)
 
 
+def test_exp_with_a_shift_equals_exp_of_the_difference_and_rounds_like_mx_round():
+    rng = np.random.default_rng(0)
+    x = mx.array((rng.standard_normal((3, 5, 700)) * 1.5).astype(np.float32))  # x - max >= -10
+    m = x.max(-1, keepdims=True)
+    assert np.array_equal(np.array(_fused_exp(x, m)), np.array(_fused_exp(x - m)))  # the shift is fused in
+    np.testing.assert_allclose(np.array(_fused_exp(x, m)), np.exp(np.array(x - m, dtype=np.float64)), rtol=6e-7)
+    y = mx.array(np.arange(-127, 1, 0.25, dtype=np.float32))  # halves included: ties go to even
+    assert np.array_equal(np.array((y + attention.MAGIC) - attention.MAGIC), np.array(mx.round(y)))
+
+
 @pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool2", "add2", "bool4_1", "bool4_h"])
 def test_cpu_attention_equals_fused_kernel(T, mask_kind):
@@ -55,7 +65,7 @@ def test_used_only_for_our_caches_several_rows_float32_no_sinks(monkeypatch):
     q8, k = mx.zeros((1, 4, 8, 8)), mx.zeros((1, 2, 16, 8))
     sdpa = attention.scaled_dot_product_attention
     sdpa(q8, k, k, _Ours(), 1.0, "causal")
-    sdpa(q8[:, :, :1], k, k, _Ours(), 1.0, None)  # one row: the fused kernel
+    sdpa(q8[:, :, :1], k, k, _Ours(), 1.0, None)  # one row over a short cache: the fused kernel
     sdpa(q8, k, k, object(), 1.0, "causal")  # mlx-lm's own cache: untouched
     sdpa(q8, k, k, _Ours(), 1.0, "causal", sinks=mx.zeros((4,)))
     sdpa(q8.astype(mx.float16), k, k, _Ours(), 1.0, "causal")
@@ -73,3 +83,16 @@ def test_prefill_sized_passes_keep_the_fused_kernel(monkeypatch):
     for rows, keys in ((8, 4000), (32, 256), (16, 3000), (512, 600)):
         sdpa(mx.zeros((1, 4, rows, 8)), mx.zeros((1, 2, keys, 8)), mx.zeros((1, 2, keys, 8)), _Ours(), 1.0, "causal")
     assert calls == ["ours", "ours", "stock", "stock"]
+
+
+def test_one_row_over_a_long_cache_uses_ours(monkeypatch):
+    """MLX's CPU kernel is ~2x slower for one query row over thousands of keys (decoding steps in
+    an editor's long context)."""
+    calls = []
+    monkeypatch.setattr(attention, "cpu_attention", lambda *a: calls.append("ours") or a[0])
+    monkeypatch.setattr(attention, "stock", lambda q, *a, **k: calls.append("stock") or q)
+    sdpa = attention.scaled_dot_product_attention
+    for keys in (100, attention.MIN_KEYS_ONE_ROW, 3000):
+        sdpa(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, keys, 8)), mx.zeros((1, 2, keys, 8)), _Ours(), 1.0, None)
+    sdpa(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 3000, 8)), mx.zeros((1, 2, 3000, 8)), object(), 1.0, None)
+    assert calls == ["stock", "ours", "ours", "stock"]
