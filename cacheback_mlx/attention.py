@@ -1,18 +1,21 @@
-"""Attention for passes of a few rows (verify passes) on MLX's CPU backend.
+"""Attention for the engine's passes on MLX's CPU backend: verify passes, decoding steps over a
+long cache, and prefill chunks.
 
-On the CPU, `mx.fast.scaled_dot_product_attention` is a plain matmul -> softmax -> matmul, and with
-more than one query row its exp dominates: MLX's CPU exp runs at ~12 ns an element on the x86
-wheels, so 8 rows over 3,000 cached tokens spend ~2.6 ms a layer in exp alone, ~80 ms a pass on the
-default model (docs/BENCHMARKS.md §11). Here the softmax's exp is a range-reduced polynomial
-(2^x = 2^n * p(f), |f| <= 1/2, degree 7: within ~1 ulp of float32 exp) that MLX compiles into one
-vectorised elementwise kernel, ~5x faster; the matmuls stay MLX's (BLAS).
+On the CPU, `mx.fast.scaled_dot_product_attention` is a plain matmul -> softmax -> matmul, and it is
+slow in three places (docs/BENCHMARKS.md §11): with a few query rows its exp dominates (MLX's CPU
+exp runs at ~12 ns an element on the x86 wheels: 8 rows over 3,000 cached tokens spend ~2.6 ms a
+layer in it); one row over thousands of keys takes ~1.2 ms a layer; and a prefill chunk's scores
+(512 rows x 3,500 keys x 9 heads, 64 MB a layer) are far bigger than the CPU's caches. Here the
+softmax's exp is a range-reduced polynomial (2^x = 2^n * p(f), |f| <= 1/2, degree 7: within ~1 ulp
+of float32 exp) that MLX compiles into one vectorised elementwise kernel, ~5x faster, and many query
+rows are taken in blocks of 8-16, each a whole softmax over every key (the same result, with scores
+that stay small); the matmuls stay MLX's (BLAS).
 
-Used only where it pays and nothing else changes: the CPU device, float32, 2 to 8 query rows (more
-while the scores stay small: not prefill chunks), one row over a long cache (MLX's kernel takes
-~1.2 ms a layer for one row over 3,000 keys, this one ~0.5 ms), no attention sinks, and the
-engine's own caches (a cache class with `fast_attention = True`).
-One-row steps over a short cache, mlx-lm's own caches (so plain mlx-lm in the same process), Metal
-and CUDA all keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off (to measure it).
+Used where it pays and nothing else changes: the CPU device, float32, no attention sinks, the
+engine's own caches (a cache class with `fast_attention = True`), and any number of rows except one
+row over a short cache (there MLX's kernel is as fast). mlx-lm's own caches (so plain mlx-lm in the
+same process), Metal and CUDA keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off
+(to measure it).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ COEFFS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.0096181
           0.0013333558146428443, 0.00015403530393381608, 1.525273380405984e-05)
 
 enabled = os.environ.get("CACHEBACK_MLX_FAST_ATTENTION", "1") != "0"
-VERSION = 2  # where it is used and how fast: part of the verify-cost cache key (budget.cost_path)
+VERSION = 3  # where it is used and how fast: part of the verify-cost cache key (budget.cost_path)
 stock = base.scaled_dot_product_attention
 
 
@@ -76,16 +79,33 @@ def _fused_exp(x: mx.array, shift=0.0) -> mx.array:
         return exp_nonpositive(x, shift)
 
 
+def block_rows(keys: int) -> int:
+    """Query rows per block: a block's scores stay small enough to be cheap to pass over several
+    times (8 rows x 3,000 keys x 9 heads ~ 0.9 MB); measured on the default model, docs §11."""
+    return 16 if keys < 1000 else 8
+
+
 def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """softmax(q k^T * scale + mask) v for [B, H, T, D] queries over [B, Hk, S, D] keys (H a
     multiple of Hk); mask: None, "causal", a bool array (True = seen) or an additive array, either
-    [T, S] or [B, 1 or H, T, S]."""
+    [T, S] or [B, 1 or H, T, S]. Many rows (prefill chunks) go in blocks of block_rows(S), each a
+    softmax over every key: the same result, with scores that stay small."""
+    T, S = queries.shape[2], keys.shape[2]
+    if isinstance(mask, str):
+        mask = mx.arange(S)[None] <= mx.arange(S - T, S)[:, None]
+    rows = block_rows(S)
+    if T <= rows:
+        return _attend(queries, keys, values, scale, mask)
+    return mx.concatenate([_attend(queries[:, :, i : i + rows], keys, values, scale,
+                                   None if mask is None else mask[..., i : i + rows, :])
+                           for i in range(0, T, rows)], axis=2)
+
+
+def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     B, H, T, _ = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     r = H // Hk
     scores = ((queries * scale).reshape(B, Hk, r * T, -1) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, T, S)
-    if isinstance(mask, str):
-        mask = mx.arange(S)[None] <= mx.arange(S - T, S)[:, None]
     if mask is not None:
         if mask.ndim == 4:  # [B, 1 or H, T, S] -> [B, 1 or Hk, 1 or r, T, S]
             mask = mask.reshape(mask.shape[0], 1, 1, T, S) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], Hk, r, T, S)
@@ -95,18 +115,16 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return out.reshape(B, H, T, -1)
 
 
-# Where it wins (tools/attention_ab.py, docs/BENCHMARKS.md §11): its softmax is several elementwise
-# passes over the scores where MLX's is one, so past ~16k scores per head it loses (a 512-row
-# prefill chunk over 3,000 cached tokens: 1.38x MLX's time). Up to 8 rows it wins at every length.
-MAX_ROWS_ANY_LENGTH = 8
-MAX_SCORES = 16384  # rows x keys, per head
-MIN_KEYS_ONE_ROW = 512  # one query row: ours from this many keys on (level with MLX's below)
+# Where it wins (tools/attention_ab.py, docs/BENCHMARKS.md §11): one row over a short cache is level
+# with MLX's kernel, so that stays MLX's; everything else is faster here: 2-8 rows up to ~2x at
+# long contexts, prefill chunks (in blocks) ~1.3-2x.
+MIN_KEYS_ONE_ROW = 512  # one query row: ours from this many keys on
 
 
 def _usable(queries, keys, cache, sinks, mask) -> bool:
     T, S = queries.shape[2], keys.shape[2]
     return (enabled and sinks is None and getattr(cache, "fast_attention", False)
-            and (S >= MIN_KEYS_ONE_ROW if T == 1 else T <= MAX_ROWS_ANY_LENGTH or T * S <= MAX_SCORES)
+            and (T > 1 or S >= MIN_KEYS_ONE_ROW)
             and queries.dtype == mx.float32 and queries.shape[1] % keys.shape[1] == 0
             and (mask is None or isinstance(mask, str) or mask.ndim in (2, 4))
             and mx.default_device() == mx.cpu)

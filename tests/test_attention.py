@@ -74,15 +74,31 @@ def test_used_only_for_our_caches_several_rows_float32_no_sinks(monkeypatch):
     assert calls == ["ours"] + ["stock"] * 5
 
 
-def test_prefill_sized_passes_keep_the_fused_kernel(monkeypatch):
-    """Many rows over a long cache (prefill chunks, big trees) are slower through ours."""
+def test_prefill_sized_passes_go_in_blocks_and_equal_the_fused_kernel():
+    """Many rows (prefill chunks) are taken a block of rows at a time, each a whole softmax over
+    every key: the same result as MLX's kernel, for causal, bool and additive masks."""
+    rng = np.random.default_rng(3)
+    for T, S in ((40, 40), (37, 1100), (9, 1009)):  # several blocks, a partial last one, 8 and 16 rows
+        assert T > attention.block_rows(S)
+        q = mx.array(rng.standard_normal((1, 6, T, 16)).astype(np.float32))
+        k = mx.array(rng.standard_normal((1, 2, S, 16)).astype(np.float32) * 2)
+        v = mx.array(rng.standard_normal((1, 2, S, 16)).astype(np.float32))
+        seen = rng.random((T, S)) < 0.7
+        seen[:, 0] = True
+        for mask in ("causal", mx.array(seen), mx.array(seen)[None, None],
+                     mx.array(np.where(seen, 0.0, -1e9).astype(np.float32))):
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+            np.testing.assert_allclose(np.array(cpu_attention(q, k, v, 0.3, mask)), np.array(want), atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_sized_passes_use_ours(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "cpu_attention", lambda *a: calls.append("ours") or a[0])
     monkeypatch.setattr(attention, "stock", lambda q, *a, **k: calls.append("stock") or q)
     sdpa = attention.scaled_dot_product_attention
     for rows, keys in ((8, 4000), (32, 256), (16, 3000), (512, 600)):
         sdpa(mx.zeros((1, 4, rows, 8)), mx.zeros((1, 2, keys, 8)), mx.zeros((1, 2, keys, 8)), _Ours(), 1.0, "causal")
-    assert calls == ["ours", "ours", "stock", "stock"]
+    assert calls == ["ours"] * 4
 
 
 def test_one_row_over_a_long_cache_uses_ours(monkeypatch):
