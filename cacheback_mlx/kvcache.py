@@ -115,7 +115,12 @@ class WindowKVCache(TreeKVCache):
         self.keys[..., used : used + n, :] = keys
         self.values[..., used : used + n, :] = values
         self.offset += n
-        return self.keys[..., : used + n, :], self.values[..., : used + n, :]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        """The stored slots (positions start..offset-1); also what a shared-KV layer reads."""
+        used = self.offset - self.start
+        return self.keys[..., :used, :], self.values[..., :used, :]
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         window = min(window_size or self.window, self.window)

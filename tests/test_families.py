@@ -268,3 +268,20 @@ def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
     truth2 = reference(model, turn2, 12)
     out2, _ = run(model, OracleDrafter(turn2, truth2), prompt=turn2, n=12, engine=eng)
     assert out2 == truth2, name
+
+
+def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
+    """A 700-token prompt: the prefill takes a 512-row chunk (the CPU attention in blocks of 16
+    rows) and a 187-row one, then the steps attend over more than MIN_KEYS_ONE_ROW cached keys,
+    where even one-row steps use attention.py. Token for token mlx-lm's own greedy decoding."""
+    from cacheback_mlx import attention
+    from cacheback_mlx.verify import PREFILL_CHUNK
+
+    name, model = family
+    prompt = [(13 * i + 5) % 97 + 1 for i in range(700)]
+    assert len(prompt) > PREFILL_CHUNK and len(prompt) > attention.MIN_KEYS_ONE_ROW + 100
+    truth = reference(model, prompt, 16)
+    for label, d in {"none": NoDrafter(), "random": RandomTreeDrafter(prompt, truth, seed=5),
+                     "oracle": OracleDrafter(prompt, truth)}.items():
+        out, _ = run(model, d, prompt=prompt, n=16, draft_budget=12)
+        assert out == truth, (name, label)
