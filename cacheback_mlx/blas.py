@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import sys
+import warnings
 from pathlib import Path
 
 # OpenBLAS core name (from its build config string) -> CPU flags it needs.
@@ -114,6 +115,11 @@ def preload_openblas() -> str:
     global status
     if "mlx.core" in sys.modules:
         status = "skipped: mlx.core was imported first"
+        if (os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") != "0" and sys.platform == "linux"
+                and platform.machine() == "x86_64" and _openblas_path() is not None):
+            warnings.warn("mlx.core was imported before cacheback_mlx, so MLX's CPU matmuls use its "
+                          "slow reference BLAS (~10x slower here): import cacheback_mlx first "
+                          "(CACHEBACK_MLX_OPENBLAS=0 silences this)", RuntimeWarning, stacklevel=3)
     elif os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") == "0":
         status = "off (CACHEBACK_MLX_OPENBLAS=0)"
     elif sys.platform != "linux" or platform.machine() != "x86_64":

@@ -76,3 +76,16 @@ def test_preload_after_mlx_is_reported_not_attempted():
         print(blas.preload_openblas())
     """)
     assert out.startswith("skipped: mlx.core was imported first"), out
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
+                    reason="the preload (and so the warning) is for Linux x86_64 only")
+def test_importing_mlx_first_warns_that_matmuls_will_be_slow():
+    out = run_py("""
+        import warnings; warnings.simplefilter('always')
+        with warnings.catch_warnings(record=True) as seen:
+            import mlx.core
+            import cacheback_mlx
+        print([str(w.message) for w in seen if w.category is RuntimeWarning])
+    """)
+    assert "reference BLAS" in out and "import cacheback_mlx first" in out, out
