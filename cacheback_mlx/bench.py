@@ -188,10 +188,13 @@ def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
 
 def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
     """column -> drafter -> {tokens_per_s, speedup_vs_none, speedup_vs_mlx_lm, mat, draft_share,
-    draft_us_per_pass, verify_share, tokens}; shares are of the whole request's time."""
+    draft_us_per_pass, verify_share, tokens}; shares are of the whole request's time. Besides the
+    columns: "overall" (every prompt) and, when HumanEval ran with Spec-Bench, "spec_bench" (all
+    Spec-Bench columns, HumanEval left out)."""
     sums: dict = defaultdict(lambda: defaultdict(lambda: np.zeros(6)))
+    both = {r.column == "humaneval" for r in runs} == {True, False}  # Spec-Bench's own total too
     for r in runs:
-        for col in (r.column, "overall"):
+        for col in (r.column, "overall") + (("spec_bench",) if both and r.column != "humaneval" else ()):
             sums[col][r.drafter] += [len(r.tokens), r.seconds, r.passes, r.accepted, r.draft_s, r.verify_s]
     table: dict = {}
     order = list(dict.fromkeys(r.drafter for r in runs))
@@ -205,7 +208,8 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:
                           "draft_us_per_pass": 1e6 * v[4] / v[2] if v[2] else 0.0,
                           "verify_share": v[5] / v[1] if v[1] else 0.0}
                       for d, v in per.items()}
-    return dict(sorted(table.items(), key=lambda kv: (COLUMNS + ["overall"]).index(kv[0]) if kv[0] in COLUMNS + ["overall"] else 99))
+    ends = COLUMNS + ["spec_bench", "overall"]
+    return dict(sorted(table.items(), key=lambda kv: ends.index(kv[0]) if kv[0] in ends else 99))
 
 
 def format_table(summary: dict) -> str:

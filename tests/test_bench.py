@@ -36,7 +36,9 @@ def runs():
 
 def test_summary_aggregates_per_column_and_overall():
     s = B.summarize(runs())
-    assert list(s) == ["qa", "humaneval", "overall"]
+    assert list(s) == ["qa", "humaneval", "spec_bench", "overall"]  # spec_bench: all but HumanEval
+    assert s["spec_bench"]["ngram"] == s["qa"]["ngram"]
+    assert "spec_bench" not in B.summarize([r for r in runs() if r.column == "qa"])
     assert s["qa"]["ngram"]["tokens_per_s"] == 4.0 and s["qa"]["ngram"]["speedup_vs_none"] == 2.0
     assert s["qa"]["ngram"]["speedup_vs_mlx_lm"] == 2.0 and s["qa"]["ngram"]["mat"] == 2.0
     assert s["overall"]["none"]["tokens"] == 6 and s["overall"]["ngram"]["tokens_per_s"] == 6 / 1.5
