@@ -10,6 +10,7 @@ LC leaders with the most observations keep their FC most frequent followers.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -125,20 +126,29 @@ def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES))
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) in TEXT_SUFFIXES))
         else:
             files.append(p)
     return files
 
 
+def _kind(path: Path) -> str:
+    """The suffix that says what a file holds: ".jsonl" for both a.jsonl and a.jsonl.gz."""
+    return Path(path.stem).suffix.lower() if path.suffix.lower() == ".gz" else path.suffix.lower()
+
+
 def file_texts(path: Path) -> Iterator[str]:
-    """The documents of one file: the whole text, or per JSONL record its "text" field (or every
-    string field). Unreadable files and bad JSON lines are skipped."""
+    """The documents of one file (gzipped or not): the whole text, or per JSONL record its "text"
+    field (or every string field). Unreadable files and bad JSON lines are skipped."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
+        if path.suffix.lower() == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError, EOFError):
         return
-    if path.suffix.lower() != ".jsonl":
+    if _kind(path) != ".jsonl":
         yield text
         return
     for line in text.splitlines():

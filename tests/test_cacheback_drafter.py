@@ -1,5 +1,7 @@
 """Cacheback drafter: tree shape, budgets, frozen tables (files, errors), replay MAT."""
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -145,6 +147,8 @@ def test_build_table_from_files_and_jsonl(tmp_path):
     (corpus / "a.txt").write_text("the cat sat on the mat " * 10)
     (corpus / "sub" / "b.jsonl").write_text('{"text": "xa xb xc xd xe"}\nnot json\n{"q": "yq yr ys yt", "n": 1}\n')
     (corpus / "skip.bin").write_bytes(b"\xff\xfe binary")
+    (corpus / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "za zb zc zd"}\n'))  # gzipped corpora too
+    (corpus / "broken.txt.gz").write_bytes(b"not gzip")  # skipped
     out = tmp_path / "t.npz"
     table = build_table_from_files([corpus], SpaceTokenizer(), out, progress=False)
     again = FrozenTable.load(out, fingerprint="")
@@ -152,6 +156,7 @@ def test_build_table_from_files_and_jsonl(tmp_path):
     assert again.get((ord("t"),))[0] == (ord("c"), ord("s"), ord("o"))  # t -> c s o (the), t -> m t c (the mat)
     assert again.get((ord("x"),)) == [(ord("x"),) * 3]  # the JSONL "text" field
     assert again.get((ord("y"),)) == [(ord("y"),) * 3]  # every string field when there is none
+    assert again.get((ord("z"),)) == [(ord("z"),) * 3]
     with pytest.raises(CachebackError, match="not found"):
         build_table_from_files([tmp_path / "missing"], SpaceTokenizer(), out, progress=False)
 

@@ -23,10 +23,12 @@ from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.replay import load_streams, longest_match, replay
 
+FROZEN = None  # --frozen: a table in place of the shipped one
+
 DRAFTERS = {
-    "auto": lambda b: AutoDrafter(persist=False),
+    "auto": lambda b: AutoDrafter(persist=False, frozen=FROZEN),
     "ssd": lambda b: make_drafter("ssd", persist=False),
-    "cacheback": lambda b: make_drafter("cacheback"),
+    "cacheback": lambda b: make_drafter("cacheback", frozen=FROZEN),
     "pld": lambda b: make_drafter("pld", max_draft=b),
     "ngram (chain up to budget)": lambda b: make_drafter("ngram", max_draft=b),
 }
@@ -59,7 +61,11 @@ def main():
     ap.add_argument("--cost", default=None, help="verify-cost JSON for the per-step rows")
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the MAT tables")
+    ap.add_argument("--frozen", default=None, help="a frozen table for auto and cacheback (default: the shipped one)")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS), help="which rows (comma-separated)")
     a = ap.parse_args()
+    global FROZEN
+    FROZEN = a.frozen
     streams = load_streams()
     if a.calibration:
         calibration(streams)
@@ -71,6 +77,8 @@ def main():
     for in_order in (False, True):
         for b in [int(x) for x in a.budgets.split(",") if x]:
             for name, make in DRAFTERS.items():
+                if name not in a.drafters.split(","):
+                    continue
                 r = run(lambda: make(b), streams, b, in_order)
                 print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} |", flush=True)
     if a.cost:

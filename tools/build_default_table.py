@@ -1,10 +1,15 @@
 """Rebuild the shipped default frozen table (cacheback_mlx/data/frozen_smollm2_ll1_fl3.npz).
 
-Corpus: the CPython standard library sources of the running interpreter (site-packages and test
-data excluded): code plus English docstrings and comments, available offline on every machine.
-Not the benchmark data in ../shared/data, which is the test set. Takes ~20 s on 2 cores
-(580 files, 11 MB, 3.1M tokens with Python 3.11.7; another Python version gives a slightly
-different table).
+Corpus, two parts:
+- the CPython standard library sources of the running interpreter (site-packages and test data
+  excluded): code plus English docstrings and comments, available offline on every machine
+  (580 files, 11 MB, 3.1M tokens with Python 3.11.7; another Python version gives a slightly
+  different table);
+- tools/data/self_corpus_smollm2.jsonl.gz: the default model's own greedy answers to 640
+  template questions (`tools/self_corpus.py OUT --prompts 480`: 480 questions, then 160 about
+  its own answers; ~0.1M tokens, 18 min on 2 cores): how the chat model phrases its answers.
+  It counts CHAT_WEIGHT times, so its pairs are not drowned by the code's.
+Not the benchmark data in ../shared/data, which is the test set. Takes ~30 s on 2 cores.
 
     .venv/bin/python tools/build_default_table.py
 """
@@ -25,9 +30,14 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
+CHAT_CORPUS = Path(__file__).resolve().parent / "data" / "self_corpus_smollm2.jsonl.gz"
+CHAT_WEIGHT = 16  # docs/BENCHMARKS.md §9: 4, 16 and 64 gave MAT within 1% of each other
+
+
 def main() -> None:
-    files = stdlib_files()
-    print(f"{len(files)} files from {sysconfig.get_paths()['stdlib']} (Python {sys.version.split()[0]})")
+    files = stdlib_files() + [CHAT_CORPUS] * CHAT_WEIGHT
+    print(f"{len(files) - CHAT_WEIGHT} files from {sysconfig.get_paths()['stdlib']} (Python {sys.version.split()[0]}), "
+          f"{CHAT_CORPUS.name} x {CHAT_WEIGHT}")
     DEFAULT_TABLE.parent.mkdir(parents=True, exist_ok=True)
     table = build_table_from_files(files, load().tokenizer, DEFAULT_TABLE, ll=1, fl=3, lc=1 << 20, fc=128)
     print(f"{len(table)} leaders, {len(table.followers)} followers -> {DEFAULT_TABLE} "

@@ -9,8 +9,7 @@ benchmark data in ../shared/data (the test set).
 
     .venv/bin/python tools/self_corpus.py OUT.jsonl [--prompts 480] [--max-tokens 192] [--batch 32]
 
-Each line of OUT.jsonl: {"prompt": ..., "answer": ...}. tools/build_default_table.py adds the
-answers to the table's corpus.
+Each line of OUT.jsonl: {"text": the answer, "prompt": ...}; the table builder reads "text".
 """
 
 import argparse
@@ -138,7 +137,7 @@ def main() -> None:
     answers += generate(lm, second, a.max_tokens, a.batch)
     with Path(a.out).open("w") as f:
         for p, x in zip(prompts, answers):
-            f.write(json.dumps({"prompt": p, "answer": x}) + "\n")
+            f.write(json.dumps({"text": x, "prompt": p}) + "\n")
     print(f"{len(prompts)} answers -> {a.out}")
 
 
