@@ -216,7 +216,7 @@ def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter
 @click.option("--fc", default=128, show_default=True, help="Followers kept per leader (the most frequent).")
 @user_errors
 def build_table(corpus, out, model, dtype, ll, fl, lc, fc):
-    """Build a Cacheback frozen table from CORPUS (text files, folders, JSONL) for a model's tokenizer."""
+    """Build a Cacheback frozen table from CORPUS (text files, folders, JSONL; gzipped too) for a model's tokenizer."""
     from .loader import load
     from .table_builder import build_table_from_files
 
