@@ -113,14 +113,7 @@ def _load_soname_copy(src: Path, soname: str) -> bool:
 def preload_openblas() -> str:
     """Load OpenBLAS globally if this is Linux x86_64 and the CPU can run it. Returns the status."""
     global status
-    if "mlx.core" in sys.modules:
-        status = "skipped: mlx.core was imported first"
-        if (os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") != "0" and sys.platform == "linux"
-                and platform.machine() == "x86_64" and _openblas_path() is not None):
-            warnings.warn("mlx.core was imported before cacheback_mlx, so MLX's CPU matmuls use its "
-                          "slow reference BLAS (~10x slower here): import cacheback_mlx first "
-                          "(CACHEBACK_MLX_OPENBLAS=0 silences this)", RuntimeWarning, stacklevel=3)
-    elif os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") == "0":
+    if os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") == "0":
         status = "off (CACHEBACK_MLX_OPENBLAS=0)"
     elif sys.platform != "linux" or platform.machine() != "x86_64":
         status = f"not needed on {sys.platform}/{platform.machine()}"
@@ -131,6 +124,11 @@ def preload_openblas() -> str:
         missing = _CORE_FLAGS.get(core or "", {"?"}) - _cpu_flags()
         if missing:
             status = f"skipped: OpenBLAS built for {core} needs CPU flags {sorted(missing)}"
+        elif "mlx.core" in sys.modules:  # too late: MLX's BLAS symbols are bound
+            status = "skipped: mlx.core was imported first"
+            warnings.warn("mlx.core was imported before cacheback_mlx, so MLX's CPU matmuls use its "
+                          "slow reference BLAS (~10x slower here): import cacheback_mlx first "
+                          "(CACHEBACK_MLX_OPENBLAS=0 silences this)", RuntimeWarning, stacklevel=3)
         elif not _load_gfortran():
             status = "skipped: no libgfortran.so.5 found"
         else:

@@ -68,6 +68,8 @@ def test_preload_can_be_turned_off():
     assert out.startswith("off"), out
 
 
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64" or not avx2(),
+                    reason="the preload is for Linux x86_64 with AVX2 only")
 def test_preload_after_mlx_is_reported_not_attempted():
     out = run_py(f"""
         import importlib.util, mlx.core
@@ -78,8 +80,8 @@ def test_preload_after_mlx_is_reported_not_attempted():
     assert out.startswith("skipped: mlx.core was imported first"), out
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
-                    reason="the preload (and so the warning) is for Linux x86_64 only")
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64" or not avx2(),
+                    reason="the preload (and so the warning) is for Linux x86_64 with AVX2 only")
 def test_importing_mlx_first_warns_that_matmuls_will_be_slow():
     out = run_py("""
         import warnings; warnings.simplefilter('always')
