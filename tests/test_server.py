@@ -239,8 +239,15 @@ def slow_server(tmp_path_factory):
     thread.join(5)
 
 
-def test_t_max_predict_ms_stops_generation_in_time(slow_server):
+def test_t_max_predict_ms_stops_generation_in_time(slow_server, monkeypatch):
     url, session = slow_server
+    real = session.stream_ids
+
+    def first_line_done(*a, **kw):  # the tiny model's bytes hold no newline: its reply gets one at
+        for i, (piece, x) in enumerate(real(*a, **kw)):  # once, so the time rule alone applies
+            yield ("\n" if i == 0 else "") + piece, x
+
+    monkeypatch.setattr(session, "stream_ids", first_line_done)
     body = {"prompt": session.long_prompt, "n_predict": 2000, "t_max_predict_ms": 250}
     t0 = time.perf_counter()
     out = httpx.post(f"{url}/completion", json=body, timeout=60).json()
@@ -402,3 +409,33 @@ def test_keep_drafter_false_gives_every_request_a_drafter_that_learned_nothing(t
     from cacheback_mlx.drafters.suffix import SEP
     assert (SsdStore(tmp_path / "ssd", 10_000).load() == SEP).sum() == 2  # the two kept requests only
     assert fresh.scorer.bias_n == fresh.labelled  # its estimates learned from this request only
+
+
+class _TimedPieces:
+    """A session stand-in whose every step takes 100 ms of generation time (no model)."""
+
+    def __init__(self, pieces):
+        from cacheback_mlx.engine import Stats
+
+        self.pieces, self.stats = pieces, Stats(prompt_tokens=3)
+
+    def stream_ids(self, ids, max_tokens, params, context):
+        for piece in self.pieces:
+            self.stats.decode_s += 0.1
+            self.stats.tokens += 1
+            yield piece, None
+
+
+@pytest.mark.parametrize("pieces, text", [
+    (["def", " f", "(x", "):", "\n", "    return", " x", "\n"], "def f(x):\n"),  # stops after the line
+    (["a", "b", "c", "d", "e", "\n", "f"], "abcde\n"),  # past the budget, but the first line ends first
+])
+def test_t_max_predict_ms_waits_for_the_first_line_as_llama_cpp(pieces, text):
+    """llama.cpp stops by time only once the reply holds a new line: an editor never gets a reply
+    cut inside its first line (tools/server/server.cpp, `has_new_line`)."""
+    from cacheback_mlx.server.core import Generator, Job, Sampling
+
+    gen = Generator(_TimedPieces(pieces))
+    job = Job([1, 2, 3], 100, Sampling(), t_max_predict_ms=250)
+    assert "".join(gen.steps(job)) == text and job.stop_type == "limit"
+    gen.worker.shutdown()

@@ -7,14 +7,22 @@ round, summaries and questions about its own first-round answers), greedy, batch
 batch_generate (~85 tokens/s on a 2-core CPU at 32 a batch). None of the prompts come from the
 benchmark data in ../shared/data (the test set).
 
+With --code, the prompts are instead the heads of functions of the Python standard library (the
+`def` line and its docstring), completed as raw text, without the chat template: how the model
+writes a function body when it continues code, as in an editor or a completion benchmark.
+
     .venv/bin/python tools/self_corpus.py OUT.jsonl [--prompts 480] [--max-tokens 192] [--batch 32]
+    .venv/bin/python tools/self_corpus.py OUT.jsonl --code [--prompts 640] [--max-tokens 128]
 
 Each line of OUT.jsonl: {"text": the answer, "prompt": ...}; the table builder reads "text".
 """
 
 import argparse
+import ast
 import json
 import random
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -107,12 +115,37 @@ def first_round(n: int, rng: random.Random) -> list[str]:
     return out
 
 
-def generate(lm, prompts: list[str], max_tokens: int, batch: int) -> list[str]:
+def function_heads(n: int, rng: random.Random, max_chars: int = 1200) -> list[str]:
+    """n heads of documented standard-library functions: the def line(s) and the docstring,
+    dedented, as a file would hold them (the table's own corpus, so nothing new is learned from
+    the code itself, only how the model goes on from it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from build_default_table import stdlib_files
+
+    heads = []
+    for path in stdlib_files():
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
+                    and len(node.body) > 1 and not node.decorator_list:
+                text = textwrap.dedent("".join(lines[node.lineno - 1 : node.body[0].end_lineno]))
+                if 40 < len(text) <= max_chars:
+                    heads.append(text)
+    return rng.sample(heads, min(n, len(heads)))
+
+
+def generate(lm, prompts: list[str], max_tokens: int, batch: int, chat: bool = True) -> list[str]:
     tok = lm.tokenizer
     answers = []
     for i in range(0, len(prompts), batch):
         part = prompts[i : i + batch]
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in part]
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               if chat else tok.encode(p) for p in part]
         t0 = time.perf_counter()
         answers += batch_generate(lm.model, tok, ids, max_tokens=max_tokens).texts
         print(f"{i + len(part)}/{len(prompts)} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -126,9 +159,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--code", action="store_true", help="raw completions of standard-library function heads")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     lm = load()
+    if a.code:
+        prompts = function_heads(a.prompts, rng)
+        answers = generate(lm, prompts, a.max_tokens, a.batch, chat=False)
+        with Path(a.out).open("w") as f:
+            for p, x in zip(prompts, answers):
+                f.write(json.dumps({"text": x, "prompt": p}) + "\n")
+        print(f"{len(prompts)} completions -> {a.out}")
+        return
     prompts = first_round(a.prompts, rng)
     answers = generate(lm, prompts, a.max_tokens, a.batch)
     texts = [x for x in answers if len(x) > 200]

@@ -135,7 +135,7 @@ class Job:
     max_tokens: int  # 0: prefill only
     sampling: Sampling
     rules: CompletionRules | None = None
-    t_max_predict_ms: float | None = None  # llama.cpp: stop once generation has taken this long
+    t_max_predict_ms: float | None = None  # llama.cpp: once a new line is out, stop when generation has taken this long
     context: list[int] = field(default_factory=list)  # beside the prompt, for the drafter (Drafter.learn)
     text: str = ""
     stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
@@ -203,9 +203,9 @@ class Generator:
                 if cut >= 0:
                     text = text[:cut]
                     break
-                if job.t_max_predict_ms and 1e3 * self.session.stats.decode_s >= job.t_max_predict_ms:
-                    job.stop_type = "limit"
-                    break
+                if job.t_max_predict_ms and "\n" in text and 1e3 * self.session.stats.decode_s >= job.t_max_predict_ms:
+                    job.stop_type = "limit"  # as llama.cpp: only once a line is complete, so the
+                    break  # editor never gets a reply cut inside its first line
                 safe = len(text) - hold
                 if job.rules is not None and job.rules.holds_lines():
                     safe = min(safe, text.rfind("\n") + 1)

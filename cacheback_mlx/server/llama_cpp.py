@@ -1,7 +1,7 @@
 """llama.cpp's protocol: /health, /infill and /completion (llama.vim, llama.vscode, Continue, Tabby).
 
 Fields as llama.cpp reads them (tools/server/README.md): n_predict (-1: until EOS), n_indent,
-t_max_predict_ms (stop once generation has taken that long), n_cmpl (several completions, answered
+t_max_predict_ms (once a line is complete, stop when generation has taken that long), n_cmpl (several completions, answered
 as an array), response_fields (only those fields, nested ones flattened: "timings/prompt_n"),
 input_extra chunks ({text, filename}; other keys such as llama.vim's `time` are ignored).
 `n_predict: 0` only prefills (editors' warm-ups), so the next request reuses it.
