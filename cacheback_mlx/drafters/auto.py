@@ -9,10 +9,11 @@ Sources, each a way to guess what follows the history:
 Their candidates are merged into one trie (a token proposed by several sources is one node that
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass), and its path probability is the product
-down from the root. The tables are queried best-first: the most probable node not yet expanded
-is looked up next, so the lookups go where acceptance is likely. The tree sent is the `budget`
-nodes with the highest path probability, best first, with their scores: the engine sizes the pass
-from them (budget.py), down to no draft at all when nothing is likely.
+down from the root. The tree is built best-first: the most probable node not yet taken is taken
+next and looked up in the tables, so the lookups go where acceptance is likely, and only the
+children of taken nodes are ever scored. The tree sent is the `budget` nodes with the highest path
+probability, best first, with their scores: the engine sizes the pass from them (budget.py), down
+to no draft at all when nothing is likely.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LENGTH = 12  # tokens per retrieved continuation
 MAX_COUNT = 32  # occurrences sampled per retrieval
 TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for small budgets)
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
+RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
 GAP = -1  # separates learned text from the history in the own-history index (never a token)
 
 # Starting logits (a fresh drafter has seen no pass yet); learning moves them within a few steps.
@@ -61,47 +63,49 @@ class _Trie:
         self.parents: list[int] = []
         self.depth: list[int] = []
         self.child: dict[int, int] = {}  # (parent + 1) << 32 | token -> node
+        self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children, in order of arrival
         self.ev: list[dict] = []  # per node: source -> (match length or rank, position in path)
-        self.p: list[float | None] = []  # per node: P(accepted | parent accepted); None = to score
-        self.count: dict[str, list[int]] = {}  # source -> continuations through each node (index + 1)
+        self.count: dict[str, dict[int, int]] = {}  # retrieved source -> continuations through each node (-1: all)
 
     def add(self, parent: int, tokens: Sequence[int], source: str, strength: int, weight: int = 1) -> None:
+        child, evs, kids = self.child, self.ev, self.kids
+        counts = self.count.setdefault(source, {}) if source in RETRIEVED else None
         node = parent
-        counts = self.count.setdefault(source, [])
         for j, t in enumerate(tokens):
             key = (node + 1) << 32 | t
-            nxt = self.child.get(key)
+            nxt = child.get(key)
             if nxt is None:
-                nxt = self.child[key] = len(self.tokens)
+                nxt = child[key] = len(self.tokens)
                 self.tokens.append(t)
                 self.parents.append(node)
                 self.depth.append(1 if node < 0 else self.depth[node] + 1)
-                self.ev.append({})
-                self.p.append(None)
-            ev = self.ev[nxt]
-            old = ev.get(source)
-            if old is None or strength > old[0]:
-                ev[source] = (strength, j)
-                self.p[nxt] = None
-            if len(counts) <= nxt + 1:
-                counts.extend([0] * (nxt + 2 - len(counts)))
-            counts[nxt + 1] += weight
+                evs.append({source: (strength, j)})
+                kids.setdefault(node, []).append(nxt)
+            else:
+                ev = evs[nxt]
+                old = ev.get(source)
+                if old is None or strength > old[0]:
+                    ev[source] = (strength, j)
+            if counts is not None:
+                counts[nxt] = counts.get(nxt, 0) + weight
             node = nxt
-        if counts:
-            counts[0] += weight if parent < 0 else 0
+        if counts is not None and parent < 0 and tokens:
+            counts[-1] = counts.get(-1, 0) + weight
 
     def features(self, i: int) -> list:
         """The node's features for the scorer (what each source says about it, and the depth)."""
         ev, p = self.ev[i], self.parents[i]
         feats: list = [("depth", min(self.depth[i], 6))]
         for source, (strength, j) in ev.items():
-            feats.append((source, _bucket(strength) if source in ("own", "ssd", "rest") else min(strength, 3)))
             feats.append((source + "@", min(j, 3)))
-            counts = self.count.get(source)
-            if counts is not None and source in ("own", "ssd", "rest"):
-                whole = counts[p + 1] if p + 1 < len(counts) else 0
+            if source in RETRIEVED:
+                feats.append((source, _bucket(strength)))
+                counts = self.count[source]
+                whole = counts.get(p, 0)
                 if whole:
-                    feats.append((source + "%", _frac(counts[i + 1], whole)))
+                    feats.append((source + "%", _frac(counts.get(i, 0), whole)))
+            else:
+                feats.append((source, min(strength, 3)))
         if len(ev) > 1:
             feats.append(("agree", min(len(ev), 3)))
         return feats
@@ -230,64 +234,42 @@ class AutoDrafter(Drafter):
             self._retrieved(trie, history, index, "ssd")
         if self.rest is not None:
             self._retrieved(trie, history, self.rest.index, "rest")
-        path = self._expand(trie, history[-1], budget)
         self._last = (trie.tokens, trie.parents, trie.features)
-        return self._select(trie, path, budget, max_branching == 1)
+        return self._best_first(trie, history[-1], budget, max_branching == 1)
 
-    def _scores(self, trie: _Trie, start: int = 0, path: list[float] | None = None) -> list[float]:
-        """Path probabilities of nodes start.. (parents come before children); a node's own
-        estimate is computed once and again only when new evidence reached it."""
-        path = path if path is not None else []
-        score, probs, parents = self.scorer.p, trie.p, trie.parents
-        for i in range(start, len(trie.tokens)):
-            p = probs[i]
-            if p is None:
-                p = probs[i] = score(trie.features(i))
-            par = parents[i]
-            path.append(p if par < 0 else p * path[par])
-        return path
+    def _lookup(self, trie: _Trie, node: int, token: int) -> None:
+        """The tables' followers of `token` become children of `node` (or add evidence to them)."""
+        for source, followers in self._table_followers(token):
+            for rank, follower in enumerate(followers):
+                trie.add(node, follower, source, rank)
 
-    def _expand(self, trie: _Trie, root_token: int, budget: int) -> list[float]:
-        """Best-first table lookups: the most probable node not yet looked up goes next, until
-        `max_expand` lookups or no unexpanded node could still make the best `budget`."""
-        path = self._scores(trie)
-        heap = [(-1.0, -1)] + [(-s, i) for i, s in enumerate(path)]
+    def _best_first(self, trie: _Trie, root_token: int, budget: int, chain: bool) -> DraftTree:
+        """The `budget` most probable nodes, best first. Best-first search from the root: the most
+        probable node not yet taken is taken next, looked up in the tables (its followers become its
+        children, or evidence for children it has: at most `max_expand` lookups, the root's
+        included), and only then are its children scored. A child's path probability never
+        exceeds its parent's, so nodes come out in order of path probability (ties: the shallower,
+        then the older) and only the children of taken nodes are ever scored. chain: one path,
+        the most probable child at each level."""
+        lookups = min(self.max_expand, 4 + budget // 2)
+        score, feats, kids, depth = self.scorer.p, trie.features, trie.kids, trie.depth
+        self._lookup(trie, -1, root_token)
+        heap = [(-score(feats(c)), depth[c], c) for c in kids.get(-1, ())]
         heapq.heapify(heap)
-        done: set[int] = set()
-        for _ in range(min(self.max_expand, 4 + budget // 2)):
-            while heap and heap[0][1] in done:
-                heapq.heappop(heap)
-            if not heap:
-                break
-            neg, node = heapq.heappop(heap)
-            if len(path) > budget and -neg < heapq.nlargest(budget, path)[-1]:
-                break  # its descendants cannot beat the current best `budget` nodes
-            done.add(node)
-            before = len(trie.tokens)
-            token = root_token if node < 0 else trie.tokens[node]
-            for source, followers in self._table_followers(token):
-                for rank, follower in enumerate(followers):
-                    trie.add(node, follower, source, rank)
-            path = self._scores(trie, before, path)
-            for i in range(before, len(trie.tokens)):
-                heapq.heappush(heap, (-path[i], i))
-        return self._scores(trie)  # again: evidence merged into existing nodes changes their scores
-
-    def _select(self, trie: _Trie, path: list[float], budget: int, chain: bool) -> DraftTree:
-        if chain:  # one path: the most probable child at each level
-            kids: dict[int, list[int]] = {}
-            for i, par in enumerate(trie.parents):
-                kids.setdefault(par, []).append(i)
-            nodes, node = [], -1
-            while len(nodes) < budget and kids.get(node):
-                node = max(kids[node], key=path.__getitem__)
-                nodes.append(node)
-            return DraftTree(np.asarray([trie.tokens[i] for i in nodes]), np.arange(-1, len(nodes) - 1),
-                             [path[i] for i in nodes])
-        depth = trie.depth
-        order = sorted(range(len(path)), key=lambda i: (-path[i], depth[i], i))[:budget]
-        # ancestors first: a path probability never exceeds its parent's, ties go to the shallower
-        new = {old: k for k, old in enumerate(order)}
-        return DraftTree([trie.tokens[i] for i in order],
-                         [-1 if trie.parents[i] < 0 else new[trie.parents[i]] for i in order],
-                         [path[i] for i in order])
+        taken: list[int] = []
+        path: list[float] = []
+        while heap and len(taken) < budget:
+            neg, _, node = heapq.heappop(heap)
+            taken.append(node)
+            path.append(-neg)
+            if len(taken) < lookups:
+                self._lookup(trie, node, trie.tokens[node])
+            children = [(neg * score(feats(c)), depth[c], c) for c in kids.get(node, ())]
+            if chain:  # only this node's children remain candidates
+                heap = [min(children)] if children else []
+            else:
+                for item in children:
+                    heapq.heappush(heap, item)
+        new = {old: k for k, old in enumerate(taken)}
+        return DraftTree([trie.tokens[i] for i in taken],
+                         [-1 if trie.parents[i] < 0 else new[trie.parents[i]] for i in taken], path)
