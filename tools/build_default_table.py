@@ -5,10 +5,16 @@ Corpus, two parts:
   excluded): code plus English docstrings and comments, available offline on every machine
   (580 files, 11 MB, 3.1M tokens with Python 3.11.7; another Python version gives a slightly
   different table);
-- tools/data/self_corpus_smollm2.jsonl.gz: the default model's own greedy answers to 640
-  template questions (`tools/self_corpus.py OUT --prompts 480`: 480 questions, then 160 about
-  its own answers; ~0.1M tokens, 18 min on 2 cores): how the chat model phrases its answers.
-  It counts CHAT_WEIGHT times, so its pairs are not drowned by the code's.
+- the default model's own greedy output (tools/self_corpus.py), each file counted SELF_WEIGHT
+  times so its pairs are not drowned by the code's:
+  - tools/data/self_corpus_smollm2.jsonl.gz: answers to 640 template questions
+    (`tools/self_corpus.py OUT --prompts 480`: 480 questions, then 160 about its own answers;
+    ~0.1M tokens, 18 min on 2 cores): how the chat model phrases its answers;
+  - tools/data/self_code_smollm2.jsonl.gz: raw completions of 640 standard-library function heads
+    (`tools/self_corpus.py OUT --code --prompts 640 --max-tokens 128`; ~80K tokens, 20 min): how
+    it goes on from a `def` line and a docstring, without the chat template;
+  - tools/data/self_qa_smollm2.jsonl.gz: answers to 480 factual and how-to questions, then a
+    follow-up turn in 160 of those chats (`tools/self_corpus.py OUT --qa --prompts 480 --seed 1`).
 Not the benchmark data in ../shared/data, which is the test set. Takes ~30 s on 2 cores.
 
     .venv/bin/python tools/build_default_table.py
@@ -30,14 +36,16 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
-CHAT_CORPUS = Path(__file__).resolve().parent / "data" / "self_corpus_smollm2.jsonl.gz"
-CHAT_WEIGHT = 16  # docs/BENCHMARKS.md §9: 4, 16 and 64 gave MAT within 1% of each other
+DATA = Path(__file__).resolve().parent / "data"
+SELF_CORPORA = [DATA / "self_corpus_smollm2.jsonl.gz", DATA / "self_code_smollm2.jsonl.gz", DATA / "self_qa_smollm2.jsonl.gz"]
+SELF_WEIGHT = 16  # docs/BENCHMARKS.md §9: 4, 16 and 64 gave MAT within 1% of each other (chat answers)
 
 
 def main() -> None:
-    files = stdlib_files() + [CHAT_CORPUS] * CHAT_WEIGHT
-    print(f"{len(files) - CHAT_WEIGHT} files from {sysconfig.get_paths()['stdlib']} (Python {sys.version.split()[0]}), "
-          f"{CHAT_CORPUS.name} x {CHAT_WEIGHT}")
+    std = stdlib_files()
+    files = std + [f for f in SELF_CORPORA for _ in range(SELF_WEIGHT)]
+    print(f"{len(std)} files from {sysconfig.get_paths()['stdlib']} (Python {sys.version.split()[0]}), "
+          + ", ".join(f"{f.name} x {SELF_WEIGHT}" for f in SELF_CORPORA))
     DEFAULT_TABLE.parent.mkdir(parents=True, exist_ok=True)
     table = build_table_from_files(files, load().tokenizer, DEFAULT_TABLE, ll=1, fl=3, lc=1 << 20, fc=128)
     print(f"{len(table)} leaders, {len(table.followers)} followers -> {DEFAULT_TABLE} "

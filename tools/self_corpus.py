@@ -7,12 +7,15 @@ round, summaries and questions about its own first-round answers), greedy, batch
 batch_generate (~85 tokens/s on a 2-core CPU at 32 a batch). None of the prompts come from the
 benchmark data in ../shared/data (the test set).
 
-With --code, the prompts are instead the heads of functions of the Python standard library (the
+With --qa, short factual and how-to questions about people, places and the topics, then a
+follow-up turn ("Can you make that shorter?") in a third of those chats, as a conversation's
+second turn asks. With --code, the prompts are instead the heads of functions of the Python standard library (the
 `def` line and its docstring), completed as raw text, without the chat template: how the model
 writes a function body when it continues code, as in an editor or a completion benchmark.
 
     .venv/bin/python tools/self_corpus.py OUT.jsonl [--prompts 480] [--max-tokens 192] [--batch 32]
     .venv/bin/python tools/self_corpus.py OUT.jsonl --code [--prompts 640] [--max-tokens 128]
+    .venv/bin/python tools/self_corpus.py OUT.jsonl --qa [--prompts 480]
 
 Each line of OUT.jsonl: {"text": the answer, "prompt": ...}; the table builder reads "text".
 """
@@ -98,6 +101,42 @@ SECOND = [
 ]
 
 
+# --qa: short factual questions and how-to questions, then a follow-up turn in the same chat
+PEOPLE = """Albert Einstein; Marie Curie; William Shakespeare; Leonardo da Vinci; Isaac Newton; Nelson Mandela;
+Ada Lovelace; Charles Darwin; Cleopatra; Mahatma Gandhi; Wolfgang Amadeus Mozart; Frida Kahlo; Alan Turing;
+Napoleon Bonaparte; Jane Austen; Galileo Galilei; Martin Luther King Jr.; Nikola Tesla; Abraham Lincoln;
+Confucius; Florence Nightingale; Pablo Picasso; Queen Victoria; Ludwig van Beethoven""".replace("\n", " ")
+PLACES = """Japan; Brazil; Canada; Egypt; Australia; Norway; Kenya; Mexico; India; Italy; Peru; Iceland;
+the Sahara; the Amazon river; Mount Everest; the Pacific Ocean; Antarctica; the Alps; New York City; Paris;
+Tokyo; the Nile; the Mediterranean Sea; Siberia""".replace("\n", " ")
+QA = [
+    "Who was {p}?", "What is {p} best known for?", "When was {p} born, and where?",
+    "What is the capital of {l}?", "Where is {l}, and what is it known for?", "What language is spoken in {l}?",
+    "What is the population of {l}?", "How big is {l}?", "What is {t}?",
+    "When did {t} begin?", "How does {t} work?", "What is the difference between {t} and {u}?",
+    "How do I get started with {t}?", "What should I know before learning about {t}?",
+    "Is {t} good or bad? Give a balanced answer.", "Name three interesting facts about {l}.",
+    "What did {p} discover or create?", "Why is {p} famous?", "What are the main causes of {t}?",
+]
+FOLLOW_UPS = [
+    "Can you make that shorter?", "Can you give me an example?", "Now explain it to a child.",
+    "Summarize your answer in one sentence.", "Can you put that in a table?", "Why is that?",
+    "Rewrite your answer as a bulleted list.", "What else should I know?", "Tell me more about the first point.",
+    "Can you write it in a more formal tone?",
+]
+
+
+def qa_round(n: int, rng: random.Random) -> list[str]:
+    topics = [t.strip() for t in TOPICS.split(";") if t.strip()]
+    people = [t.strip() for t in PEOPLE.split(";") if t.strip()]
+    places = [t.strip() for t in PLACES.split(";") if t.strip()]
+    out = []
+    while len(out) < n:
+        t, u = rng.sample(topics, 2)
+        out.append(rng.choice(QA).format(t=t, u=u, p=rng.choice(people), l=rng.choice(places)))
+    return out
+
+
 def first_round(n: int, rng: random.Random) -> list[str]:
     topics = [t.strip() for t in TOPICS.split(";") if t.strip()]
     tasks = [t.strip() for t in CODE_TASKS.split(";") if t.strip()]
@@ -139,13 +178,14 @@ def function_heads(n: int, rng: random.Random, max_chars: int = 1200) -> list[st
     return rng.sample(heads, min(n, len(heads)))
 
 
-def generate(lm, prompts: list[str], max_tokens: int, batch: int, chat: bool = True) -> list[str]:
+def generate(lm, prompts: list, max_tokens: int, batch: int, chat: bool = True) -> list[str]:
+    """Greedy answers; a prompt is a user message, a list of chat messages, or raw text (chat=False)."""
     tok = lm.tokenizer
     answers = []
     for i in range(0, len(prompts), batch):
         part = prompts[i : i + batch]
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               if chat else tok.encode(p) for p in part]
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
+                                       add_generation_prompt=True) if chat else tok.encode(p) for p in part]
         t0 = time.perf_counter()
         answers += batch_generate(lm.model, tok, ids, max_tokens=max_tokens).texts
         print(f"{i + len(part)}/{len(prompts)} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -160,6 +200,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--code", action="store_true", help="raw completions of standard-library function heads")
+    ap.add_argument("--qa", action="store_true", help="factual and how-to questions, then a follow-up turn")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     lm = load()
@@ -170,6 +211,18 @@ def main() -> None:
             for p, x in zip(prompts, answers):
                 f.write(json.dumps({"text": x, "prompt": p}) + "\n")
         print(f"{len(prompts)} completions -> {a.out}")
+        return
+    if a.qa:
+        prompts = qa_round(a.prompts, rng)
+        answers = generate(lm, prompts, a.max_tokens, a.batch)
+        chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": x},
+                  {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
+                 for q, x in rng.sample(list(zip(prompts, answers)), a.prompts // 3)]
+        answers += generate(lm, chats, a.max_tokens, a.batch)
+        with Path(a.out).open("w") as f:
+            for p, x in zip(prompts + chats, answers):
+                f.write(json.dumps({"text": x, "prompt": p}) + "\n")
+        print(f"{len(answers)} answers -> {a.out}")
         return
     prompts = first_round(a.prompts, rng)
     answers = generate(lm, prompts, a.max_tokens, a.batch)
