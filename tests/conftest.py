@@ -1,8 +1,15 @@
 """Shared fixtures: tiny random llama models (fast), and the real default model (slow)."""
 
+import signal
+
 import cacheback_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core, as the package does)
 import mlx.core as mx
 import pytest
+
+# A shell starts background jobs with SIGINT ignored, and children inherit that: the tests that
+# press Ctrl-C on a subprocess would then wait for a KeyboardInterrupt that never comes. With a
+# handler here, the processes the tests start get SIGINT's default back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
