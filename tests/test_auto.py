@@ -275,3 +275,33 @@ def test_auto_drafts_from_learned_text_without_crossing_into_it():
     assert -1 not in tree.tokens.tolist()
     d.observe([9])
     assert -1 not in d.propose([1, 2, 3, 4, 7, 8, 9], 7).tokens.tolist()
+
+
+@pytest.mark.parametrize("budget", [3, 7, 15, 40])
+def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
+    """auto scores only the children of the nodes it takes; the tree it sends must still be the
+    `budget` nodes of highest path probability among ALL the candidates it gathered, best first,
+    every parent before its child, each with its true path probability."""
+    rng = random.Random(budget)
+    d = AutoDrafter(persist=False)
+    text = [rng.randrange(40) for _ in range(300)]
+    text = text + text[50:120] + text[10:60]  # repeats, so own history and tables have matches
+    d.observe(text[:-30])
+    d.learn(text[-30:])  # evidence beside the history too
+    tree = d.propose(text[:-30], budget)
+    tokens, parents, feats = d._last
+    path, key = [], []
+    for i, p in enumerate(parents):  # every candidate's path probability and token path
+        path.append(d.scorer.p(feats(i)) * (path[p] if p >= 0 else 1.0))
+        key.append((key[p] if p >= 0 else ()) + (tokens[i],))
+    by_key = dict(zip(key, path))
+    sent = []
+    for i, p in enumerate(tree.parents.tolist()):
+        sent.append((sent[p] if p >= 0 else ()) + (int(tree.tokens[i]),))
+    assert len(tree) == min(budget, len(tokens)) and len(set(sent)) == len(sent)
+    assert np.all(np.diff(tree.scores) <= 1e-12)  # best first
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))
+    for k, s in zip(sent, tree.scores):
+        assert s == pytest.approx(by_key[k], rel=1e-12)
+    left = [s for k, s in by_key.items() if k not in set(sent)]
+    assert not left or max(left) <= min(tree.scores) + 1e-12
