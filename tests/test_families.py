@@ -122,7 +122,7 @@ def test_window_caches_evict_and_still_roll_back():
     assert out == reference(model, turn, 16)
 
 
-@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma3n", "qwen3_next"])  # sliding, shared KV, hybrid
 def test_every_registered_drafter_is_lossless_on_sliding_and_hybrid_families(name, tmp_path):
     from cacheback_mlx.drafters import drafter_names, make_drafter
     from cacheback_mlx.drafters.rest import save_datastore
