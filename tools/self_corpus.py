@@ -192,6 +192,13 @@ def generate(lm, prompts: list, max_tokens: int, batch: int, chat: bool = True) 
     return answers
 
 
+def save(out: str, prompts: list, answers: list[str]) -> None:
+    with Path(out).open("w") as f:
+        for p, x in zip(prompts, answers):
+            f.write(json.dumps({"text": x, "prompt": p}) + "\n")
+    print(f"{len(answers)} answers -> {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -207,11 +214,7 @@ def main() -> None:
     if a.code:
         prompts = function_heads(a.prompts, rng)
         answers = generate(lm, prompts, a.max_tokens, a.batch, chat=False)
-        with Path(a.out).open("w") as f:
-            for p, x in zip(prompts, answers):
-                f.write(json.dumps({"text": x, "prompt": p}) + "\n")
-        print(f"{len(prompts)} completions -> {a.out}")
-        return
+        return save(a.out, prompts, answers)
     if a.qa:
         prompts = qa_round(a.prompts, rng)
         answers = generate(lm, prompts, a.max_tokens, a.batch)
@@ -219,21 +222,14 @@ def main() -> None:
                   {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
                  for q, x in rng.sample(list(zip(prompts, answers)), a.prompts // 3)]
         answers += generate(lm, chats, a.max_tokens, a.batch)
-        with Path(a.out).open("w") as f:
-            for p, x in zip(prompts + chats, answers):
-                f.write(json.dumps({"text": x, "prompt": p}) + "\n")
-        print(f"{len(answers)} answers -> {a.out}")
-        return
+        return save(a.out, prompts + chats, answers)
     prompts = first_round(a.prompts, rng)
     answers = generate(lm, prompts, a.max_tokens, a.batch)
     texts = [x for x in answers if len(x) > 200]
     second = [rng.choice(SECOND).format(a=x) for x in rng.sample(texts, min(len(texts), a.prompts // 3))]
     prompts += second
     answers += generate(lm, second, a.max_tokens, a.batch)
-    with Path(a.out).open("w") as f:
-        for p, x in zip(prompts, answers):
-            f.write(json.dumps({"text": x, "prompt": p}) + "\n")
-    print(f"{len(prompts)} answers -> {a.out}")
+    save(a.out, prompts, answers)
 
 
 if __name__ == "__main__":
