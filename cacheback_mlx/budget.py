@@ -7,6 +7,10 @@ yields 1 + s_1 + ... + s_n tokens on average, the model's own token included. Ea
 n that maximises (1 + sum s) / cost(lead + n): 0 drafts when nothing is likely to be accepted,
 the whole budget when drafts are sure and rows are cheap. Drafters that give no scores get a
 default estimate: per depth and rank among siblings, learned from their passes (RankRates).
+
+Cost is not monotone in rows (a BLAS tiles some row counts exactly), so a pass is padded to the
+measured row count at or above its own that costs least (Sizer.rows; padded rows are rolled back
+like rejected ones), and the sizer fills those rows with drafts when any are left.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from .tree import DraftTree
 
 log = logging.getLogger(__name__)
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)  # rows measured (linear in between: a few seconds in all)
+# Rows measured: every count up to 16, then 24, 32 and 64 (~25 s in all for the default model on
+# a 2-core CPU). Not just powers of two: a BLAS's matrix product runs fastest on row counts its
+# kernels tile exactly, so on this project's CPU 8 rows cost less than 5, 6 or 7, and 16 less
+# than 13 to 15. Past 16 a pass is padded to the next measured count (Sizer.rows).
+SIZES = tuple(range(1, 17)) + (24, 32, 64)
 CONTEXTS = (256, 1024)  # cached tokens measured (attention over a longer cache costs more per row)
-FORMAT = "cacheback-verify-cost/1"
+FORMAT = "cacheback-verify-cost/2"
 
 
 class CostTable:
@@ -42,6 +50,11 @@ class CostTable:
         if not self.contexts or any(not rows for rows in self.table.values()):
             raise ValueError("empty cost table")
         self.buckets = buckets
+
+    @property
+    def sizes(self) -> list[int]:
+        """The row counts measured at every context."""
+        return sorted(set.intersection(*(set(rows) for rows in self.table.values())))
 
     def _at(self, context: int, rows: int) -> float:
         points = self.table[context]
@@ -139,23 +152,43 @@ class Sizer:
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
 
-    def __init__(self, cost: CostTable):
+    def __init__(self, cost: CostTable, pad: bool = True):
+        """pad: passes may be padded to a cheaper measured row count (the engine turns it off
+        for recurrent layers, where padded rows would run the recurrence)."""
         self.cost = cost
+        self.pad = pad
         self.rates = RankRates()
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
-        self._costs: dict[int, np.ndarray] = {}
+        self._plans: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple[int, int], int] = {}
 
+    def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, rows), both indexed by a pass's own row count r: the rows it runs as (the
+        cheapest measured count >= r when padding is on; r itself past the largest measured, and
+        a one-row step is never padded) and the seconds that costs, at about this context."""
+        key = (context // self.CONTEXT_STEP, self.pad)
+        plan = self._plans.get(key)
+        if plan is None:
+            c = key[0] * self.CONTEXT_STEP
+            raw = np.array([self.cost.cost(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
+            rows = np.arange(self.MAX_ROWS + 1)
+            if self.pad:
+                sizes = [s for s in self.cost.sizes if s <= self.MAX_ROWS]
+                for r in range(2, sizes[-1] + 1 if sizes else 0):
+                    rows[r] = min((s for s in sizes if s >= r), key=lambda s: (raw[s], s))
+            plan = self._plans[key] = (raw[rows], rows)
+        return plan
+
     def costs(self, context: int) -> np.ndarray:
-        """Seconds of a pass of r rows (index r) at about this context."""
-        key = context // self.CONTEXT_STEP
-        vec = self._costs.get(key)
-        if vec is None:
-            c = key * self.CONTEXT_STEP
-            vec = self._costs[key] = np.array([self.cost.cost(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
-        return vec
+        """Seconds of a pass of r rows (index r) at about this context, padding included."""
+        return self._plan(context)[0]
+
+    def rows(self, n: int, context: int) -> int:
+        """How many rows a pass of n rows runs as (padded to a cheaper count, or n)."""
+        rows = self._plan(context)[1]
+        return int(rows[n]) if n < len(rows) else n
 
     def cap(self, limit: int, context: int) -> int:
         """How many draft tokens to ask the drafter for: about twice what recent passes used
@@ -202,8 +235,8 @@ class Sizer:
 def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int = 32,
             buckets: tuple[int, ...] | None = None) -> CostTable:
     """Time of a pass over r rows after c cached tokens, for each c in contexts and r in sizes.
-    Sizes are measured round-robin, `repeats` rounds after a warm-up round (a new shape may
-    compile), and the fastest time of each is kept: a busy machine slows some passes, never
+    Sizes are measured round-robin, `repeats` rounds (after a warm-up round at the first context:
+    a new shape may compile), and the fastest time of each is kept: a busy machine slows some passes, never
     speeds them up, and round-robin spreads a slow spell over every size alike. Uses its own
     caches (the model's real ones are not touched); each pass is undone."""
     from .kvcache import ModelCache
@@ -217,14 +250,15 @@ def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int 
         prefill(model, cache, [(100 + i) % vocab for i in range(done, c)])
         done = c
         best = {r: float("inf") for r in rows}
-        for round_ in range(repeats + 1):
+        warm = not table  # the first context only
+        for round_ in range(repeats + warm):
             for r in rows:
                 draft = DraftTree.chain([(7 + i) % vocab for i in range(r - 1)])
                 t0 = time.perf_counter()
                 mx.eval(verify_pass(model, cache, [5], draft, buckets))
                 t = time.perf_counter() - t0
                 cache.finish_pass([], whole=False)
-                if round_:
+                if round_ or not warm:
                     best[r] = min(best[r], t)
         table[c] = best
     return CostTable(table, buckets)
@@ -241,11 +275,11 @@ def cpu_name() -> str:
 
 
 def cost_path(model_key: str) -> Path:
-    """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx, and
-    attention.py's CPU attention: off, or which version of it)."""
+    """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx,
+    attention.py's CPU attention: off, or which version of it, and this file's format)."""
     from . import attention
 
-    ident = "|".join([model_key, str(mx.default_device()), cpu_name(), mx.__version__]
+    ident = "|".join([FORMAT, model_key, str(mx.default_device()), cpu_name(), mx.__version__]
                      + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")

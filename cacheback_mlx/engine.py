@@ -138,8 +138,8 @@ class Engine:
         self.eos_ids = set(int(t) for t in eos_ids)
         self.drafter = drafter
         self.context_length = context_length
-        self.set_sizer(sizer, draft_budget)
         self.cache = ModelCache(model)
+        self.set_sizer(sizer, draft_budget)
         unplaced = prepare_positions(model)
         self.chain_reason = ("recurrent layers" if self.cache.recurrent else
                              f"position-dependent code: {unplaced[0]}" if unplaced else None)
@@ -155,6 +155,8 @@ class Engine:
     def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
         """Choose each pass's draft size with `sizer` (None: a fixed budget), capped at draft_budget."""
         self.sizer = sizer
+        if sizer is not None:
+            sizer.pad = not self.cache.recurrent  # padded rows would run the recurrence
         default = MAX_DRAFT if sizer is not None else default_draft_budget()
         self.draft_budget = default if draft_budget is None else draft_budget
 
@@ -223,11 +225,12 @@ class Engine:
             with self.peers.prefill(part):
                 prefill(self.model, self.cache, part)
 
-    def _verify(self, lead: list[int], tree: DraftTree) -> mx.array:
+    def _verify(self, lead: list[int], tree: DraftTree, size: int) -> mx.array:
+        """One pass over lead + tree, padded to `size` rows."""
         if self.peers is None:
-            return verify_pass(self.model, self.cache, lead, tree, self.buckets)
-        with self.peers.verify(lead, tree, padded_size(len(lead) + len(tree), self.buckets)):
-            logits = verify_pass(self.model, self.cache, lead, tree, self.buckets)
+            return verify_pass(self.model, self.cache, lead, tree, rows=size)
+        with self.peers.verify(lead, tree, size):
+            logits = verify_pass(self.model, self.cache, lead, tree, rows=size)
             mx.eval(logits)  # the pass's collectives run now, under the peers' watch
         return logits
 
@@ -288,10 +291,14 @@ class Engine:
                         tree = tree.first_path()
                     if self.sizer is not None:  # as many nodes as pay for their rows
                         tree = self.sizer.choose(tree, len(lead), len(self.cached))
+                size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.rows)
+                if self.sizer is not None:
+                    size = self.sizer.rows(size, len(self.cached))
+                size = padded_size(size, self.buckets)
                 stats.draft_s += time.perf_counter() - t0
                 # verify: lead + draft in one pass
                 t0 = time.perf_counter()
-                logits = self._verify(lead, tree)
+                logits = self._verify(lead, tree, size)
                 picks = pick(logits).tolist()
                 stats.verify_s += time.perf_counter() - t0
                 # accept the longest path the model agrees with, plus its bonus token
@@ -301,7 +308,7 @@ class Engine:
                     self.sizer.update(tree, path)
                 # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                 rows = list(range(len(lead))) + [len(lead) + i for i in path]
-                whole = len(path) == len(tree) and padded_size(len(lead) + len(tree), self.buckets) == len(rows)
+                whole = len(path) == len(tree) and size == len(rows)
                 if self._finish(rows, whole):
                     self.cached.extend(lead + accepted[:-1])
                     self.lead = [bonus]

@@ -47,15 +47,16 @@ def tree_layout(tree: DraftTree, lead: int, rows: int) -> tuple[np.ndarray, np.n
 
 
 def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
-                buckets: tuple[int, ...] | None = None) -> mx.array:
+                buckets: tuple[int, ...] | None = None, rows: int | None = None) -> mx.array:
     """Run lead + tree through the model in ONE pass; return logits [1 + len(tree), vocab] for the
-    lead's last row (the root) and each node.
+    lead's last row (the root) and each node. The pass is padded to `rows` rows when given (at
+    least lead + tree), else to its bucket.
 
     Afterwards each cache holds `rows` new entries past its old length; the caller keeps the
     accepted ones with ModelCache.finish_pass."""
     lead_n = len(lead)
     n = lead_n + len(tree)
-    rows = padded_size(n, buckets)
+    rows = padded_size(n, buckets) if rows is None else max(rows, n)
     tokens = np.zeros(rows, np.int32)
     tokens[:lead_n] = lead
     tokens[lead_n:n] = tree.tokens
