@@ -165,9 +165,10 @@ class Sizer:
         self._caps: dict[tuple[int, int], int] = {}
 
     def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray]:
-        """(cost, rows), both indexed by a pass's own row count r: the rows it runs as (the
-        cheapest measured count >= r when padding is on; r itself past the largest measured, and
-        a one-row step is never padded) and the seconds that costs, at about this context."""
+        """(cost, rows), both indexed by a pass's own row count r: the rows it runs as and the
+        seconds that costs, at about this context. With padding on, r runs as the cheapest count
+        >= r among the measured ones and, past the counts measured one by one (1..16), r itself
+        (interpolated); a one-row step is never padded."""
         key = (context // self.CONTEXT_STEP, self.pad)
         plan = self._plans.get(key)
         if plan is None:
@@ -176,8 +177,10 @@ class Sizer:
             rows = np.arange(self.MAX_ROWS + 1)
             if self.pad:
                 sizes = [s for s in self.cost.sizes if s <= self.MAX_ROWS]
+                dense = next((k for k in range(1, len(sizes) + 1) if sizes[k - 1] != k), len(sizes) + 1) - 1
                 for r in range(2, sizes[-1] + 1 if sizes else 0):
-                    rows[r] = min((s for s in sizes if s >= r), key=lambda s: (raw[s], s))
+                    options = [s for s in sizes if s >= r] + ([r] if r > dense else [])
+                    rows[r] = min(options, key=lambda s: (raw[s], s))
             plan = self._plans[key] = (raw[rows], rows)
         return plan
 
@@ -235,32 +238,31 @@ class Sizer:
 def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int = 32,
             buckets: tuple[int, ...] | None = None) -> CostTable:
     """Time of a pass over r rows after c cached tokens, for each c in contexts and r in sizes.
-    Sizes are measured round-robin, `repeats` rounds (after a warm-up round at the first context:
-    a new shape may compile), and the fastest time of each is kept: a busy machine slows some passes, never
-    speeds them up, and round-robin spreads a slow spell over every size alike. Uses its own
-    caches (the model's real ones are not touched); each pass is undone."""
+    Every (context, size) is measured round-robin, `repeats` rounds after a warm-up round (a new
+    shape may compile), and the fastest time of each is kept: a busy machine slows some passes,
+    never speeds them up, and round-robin over contexts and sizes alike spreads a slow spell over
+    all of them (measured one context after the other, a spell over one context's rounds skewed
+    its ratios). Uses its own caches, one per context (the model's real ones are not touched);
+    each pass is undone."""
     from .kvcache import ModelCache
     from .verify import padded_size, prefill, verify_pass
 
-    cache = ModelCache(model)
-    table: dict[int, dict[int, float]] = {}
-    done = 0
-    rows = sorted({padded_size(s, buckets) for s in sizes})
+    caches = {}
     for c in sorted(contexts):
-        prefill(model, cache, [(100 + i) % vocab for i in range(done, c)])
-        done = c
-        best = {r: float("inf") for r in rows}
-        warm = not table  # the first context only
-        for round_ in range(repeats + warm):
-            for r in rows:
-                draft = DraftTree.chain([(7 + i) % vocab for i in range(r - 1)])
+        caches[c] = ModelCache(model)
+        prefill(model, caches[c], [(100 + i) % vocab for i in range(c)])
+    rows = sorted({padded_size(s, buckets) for s in sizes})
+    table = {c: {r: float("inf") for r in rows} for c in caches}
+    for round_ in range(repeats + 1):
+        for r in rows:
+            draft = DraftTree.chain([(7 + i) % vocab for i in range(r - 1)])
+            for c, cache in caches.items():
                 t0 = time.perf_counter()
                 mx.eval(verify_pass(model, cache, [5], draft, buckets))
                 t = time.perf_counter() - t0
                 cache.finish_pass([], whole=False)
-                if round_ or not warm:
-                    best[r] = min(best[r], t)
-        table[c] = best
+                if round_:
+                    table[c][r] = min(table[c][r], t)
     return CostTable(table, buckets)
 
 

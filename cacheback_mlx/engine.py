@@ -31,6 +31,7 @@ from .tree import DraftTree, common_prefix
 from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+LEAD_TAIL = 48  # at most this many uncached prompt tokens go through the first pass (Engine._start)
 REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
 
 
@@ -188,15 +189,19 @@ class Engine:
         self.cached, self.history, self.lead = [], [], []
         self.drafter.reset()
 
-    def _start(self, prompt: list[int], context: Sequence[int] = ()) -> None:
-        """Prefill what the cache lacks of prompt[:-1]; prompt[-1] is the first step's root.
+    def _start(self, prompt: list[int], context: Sequence[int] = (), tail: int = 1) -> None:
+        """Prefill what the cache lacks of the prompt but its last `tail` tokens (at least one),
+        which lead the first pass (prompt[-1] is its root): a short uncached tail, a new chat
+        turn or the text typed since an editor's last request, then shares a pass with the first
+        drafts instead of taking a prefill pass of its own.
         `context`: text beside the prompt for the drafter to learn (Drafter.learn)."""
         t0 = time.perf_counter()
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.cached, prompt[:-1]))
-        self._prefill(prompt[keep:-1])
-        self.cached = prompt[:-1]
-        self.lead = [prompt[-1]]
+        split = len(prompt) - max(1, min(tail, len(prompt) - keep))
+        self._prefill(prompt[keep:split])
+        self.cached = prompt[:split]
+        self.lead = prompt[split:]
         self.stats.prefill_tokens = len(prompt) - 1 - keep
         self.stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -272,13 +277,18 @@ class Engine:
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
         pick = token_picker(sampling)
-        self._start(prompt, context)
+        # per-step sizing prices the tail's rows (fixed budgets would lose drafts to them); a
+        # recurrent model undoes a pass not accepted whole, so its tail is prefilled as before
+        tail = LEAD_TAIL if self.sizer is not None and not self.cache.recurrent else 1
+        self._start(prompt, context, tail)
         t_start = time.perf_counter()
         try:
             while stats.tokens < max_tokens:
-                # draft (the lead's extra rows come out of the budget)
+                # draft (a fixed budget's pass keeps its size: the lead's extra rows come out of
+                # it; a sizer prices the lead's rows instead)
                 lead = self.lead
-                budget = min(self.draft_budget - (len(lead) - 1), max_tokens - stats.tokens - 1,
+                budget = min(self.draft_budget - (len(lead) - 1 if self.sizer is None else 0),
+                             max_tokens - stats.tokens - 1,
                              self.context_length - len(self.cached) - len(lead) - 1)
                 if self.sizer is not None:
                     budget = min(budget, self.sizer.cap(budget, len(self.cached)))

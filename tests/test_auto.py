@@ -87,9 +87,11 @@ CPU_CURVE = {1: 1.0, 2: 1.14, 3: 1.18, 4: 1.14, 5: 1.36, 6: 1.46, 7: 1.28, 8: 1.
 
 def test_passes_are_padded_to_the_cheapest_measured_row_count_and_filled_with_drafts():
     sizer = Sizer(CostTable({256: CPU_CURVE}))
-    assert [sizer.rows(r, 0) for r in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 25, 40)] == [1, 8, 8, 8, 8, 8, 8, 9, 16, 24, 32, 40]
-    for r in range(2, 33):  # the cheapest measured count at or above r
+    assert [sizer.rows(r, 0) for r in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 25, 40)] == [1, 8, 8, 8, 8, 8, 8, 9, 16, 17, 25, 40]
+    for r in range(2, 17):  # the cheapest measured count at or above r
         assert sizer.costs(0)[r] == min(t for s, t in CPU_CURVE.items() if s >= r)
+    # past the counts measured one by one, a count runs as itself at its interpolated cost
+    assert sizer.costs(0)[20] == pytest.approx((1.41 + 1.78) / 2)
     assert sizer.costs(0)[6] == pytest.approx(1.12)
     assert sizer.costs(0)[1] == 1.0  # a one-row step is the plain step, never padded
     chain = DraftTree.chain(list(range(20)))
@@ -269,6 +271,29 @@ def test_per_step_budget_drafts_less_for_a_wrong_drafter_and_all_for_a_right_one
     _, bad = run(model, wrong, n=60, sizer=steep)
     assert bad.stats.passes == 60
     assert bad.stats.drafted <= 25  # a fixed budget would have sent 5 per pass (300)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_a_short_uncached_tail_leads_the_first_pass_instead_of_a_prefill(family):
+    """A new turn's text (here 20 tokens after a cached first turn) goes through the first pass
+    with the drafts; recurrent models prefill it as before. Output as mlx-lm's either way."""
+    model = zoo.tiny_model(family)
+    first, second = PROMPT * 2, PROMPT * 2 + [9, 4, 3] + PROMPT + [11, 6, 2, 7]
+    truth = reference(model, second, 30)
+    eng = Engine(model, eos_ids=[], drafter=make_drafter("auto", persist=False), context_length=4096,
+                 sizer=Sizer(SIZER.cost))
+    list(eng.generate(first, 1))
+    leads, prefilled = [], []
+    verify, prefill_ = eng._verify, eng._prefill
+    eng._verify = lambda lead, tree, size: leads.append(len(lead)) or verify(lead, tree, size)
+    eng._prefill = lambda tokens: prefilled.append(len(tokens)) or prefill_(tokens)
+    assert [t for s in eng.generate(second, 30) for t in s] == truth, family
+    tail = len(second) - len(first)
+    assert eng.stats.prefill_tokens == tail - 1
+    if family == "qwen3_next":
+        assert leads[0] == 1 and sum(prefilled) == tail - 1
+    else:
+        assert leads[0] == tail and sum(prefilled) == 0
 
 
 class Counting(Drafter):
