@@ -68,3 +68,26 @@ def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_out
         out = [t for step in eng.generate(ids, N) for t in step]
         assert out == truth, (name, mode)
         assert eng.stats.passes <= N
+
+
+def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_outputs, drafter_params):
+    """The default path: auto, passes sized per step from a cost curve whose 8 rows cost less than
+    2-7 (so passes are padded), the uncached tail of a second turn leading the first pass."""
+    from cacheback_mlx.budget import CostTable, Sizer
+
+    padded = CostTable({256: {1: 1.0, 2: 1.5, 4: 1.5, 7: 1.5, 8: 1.2, 16: 2.0, 32: 3.5}})
+    eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length,
+                 sizer=Sizer(padded))
+    for mode, (ids, truth) in plain_outputs.items():
+        eng.reset()
+        assert [t for step in eng.generate(ids[:-20], 4) for t in step]  # a first turn, then 20 new tokens
+        prefilled, leads, verify, prefill_ = [], [], eng._verify, eng._prefill
+        eng._prefill = lambda tokens: prefilled.append(len(tokens)) or prefill_(tokens)
+        eng._verify = lambda lead, tree, size: leads.append((len(lead), size)) or verify(lead, tree, size)
+        out = [t for step in eng.generate(ids, N) for t in step]
+        del eng._prefill, eng._verify
+        assert out == truth, mode
+        # every uncached token (~20: the first turn may have produced the first of them) went
+        # through the first pass, none through a prefill of its own
+        assert sum(prefilled) == 0 and leads[0][0] == eng.stats.prefill_tokens + 1 >= 16, mode
+        assert eng.stats.passes < N and any(size == 8 for _, size in leads[1:]), mode

@@ -8,6 +8,7 @@ import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
+from cacheback_mlx.budget import CostTable, Sizer
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
@@ -65,6 +66,13 @@ def test_greedy_tokens_equal_mlx_lm(family):
             assert eng.stats.passes == N
     out, _ = run(model, RandomTreeDrafter(PROMPT, truth, seed=3), draft_budget=20, buckets=(1, 2, 4, 8, 16, 32))
     assert out == truth, (name, "buckets")
+    # per-step sizing: passes padded to a cheaper row count (8 rows cost less than 2-7), and the
+    # uncached prompt (24 tokens, under Engine's LEAD_TAIL) leading the first pass with the drafts
+    padded = CostTable({256: {1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5, 8: 1.2, 16: 2.0}})
+    for label, d in {"oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
+                     "random-2": RandomTreeDrafter(PROMPT, truth, seed=2)}.items():
+        out, _ = run(model, d, sizer=Sizer(padded))
+        assert out == truth, (name, "per-step", label)
 
 
 def test_second_call_reuses_the_cache_and_a_shared_prefix_is_trimmed(family):
