@@ -11,11 +11,19 @@ default estimate: per depth and rank among siblings, learned from their passes (
 Cost is not monotone in rows (a BLAS tiles some row counts exactly), so a pass is padded to the
 measured row count at or above its own that costs least (Sizer.rows; padded rows are rolled back
 like rejected ones), and the sizer fills those rows with drafts when any are left.
+
+A table measured once can be wrong about some sizes (a slow spell during the measurement; real
+trees attend differently from the measured chains), so the sizer also learns from the passes it
+sends: the engine reports each pass's seconds (Sizer.timed), and each row count's price is
+corrected by how much slower or faster than the table it ran, relative to all passes (PassTimes).
+A machine that slows down as a whole changes no price; a size the table priced too low is sent,
+found out and priced up within a few dozen passes.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import json
 import logging
@@ -146,34 +154,92 @@ def best_first(tree: DraftTree, scores: np.ndarray) -> tuple[DraftTree, list[int
     return DraftTree(tree.tokens[order], parents, scores[order]), order
 
 
+class PassTimes:
+    """What passes of each row count really cost, relative to the cost table: per row count, the
+    median of (seconds / the table's seconds) over its recent passes, divided by the median over
+    all recent passes, so a machine-wide slowdown cancels out. A count seen a few times is pulled
+    toward the table (PRIOR), and what was seen more than WINDOW passes ago is forgotten (a count
+    once priced up is tried again later)."""
+
+    WINDOW = 512  # passes an observation counts for
+    PRIOR = 3  # observations of a count before they weigh as much as the table
+    KEEP = 48  # observations kept per row count
+
+    def __init__(self):
+        self.n = 0
+        self.seen: dict[int, collections.deque] = {}
+
+    def add(self, rows: int, ratio: float) -> None:
+        self.n += 1
+        self.seen.setdefault(rows, collections.deque(maxlen=self.KEEP)).append((self.n, ratio))
+
+    def factors(self) -> dict[int, float]:
+        """rows -> the factor on the table's price."""
+        recent = {r: [x for i, x in q if i > self.n - self.WINDOW] for r, q in self.seen.items()}
+        pooled = [x for xs in recent.values() for x in xs]
+        if not pooled:
+            return {}
+        base = float(np.median(pooled))
+        return {r: 1.0 + len(xs) / (len(xs) + self.PRIOR) * (float(np.median(xs)) / base - 1.0)
+                for r, xs in recent.items() if xs}
+
+
 class Sizer:
     """Chooses each pass's draft size for the engine (the per-step budget)."""
+
+    RELEARN = 16  # passes between updates of the learned prices
+    EXPLORE = 10  # one pass in this many tries the runner-up size (learning)
 
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
 
-    def __init__(self, cost: CostTable, pad: bool = True):
+    def __init__(self, cost: CostTable, pad: bool = True, learn: bool = True):
         """pad: passes may be padded to a cheaper measured row count (the engine turns it off
-        for recurrent layers, where padded rows would run the recurrence)."""
+        for recurrent layers, where padded rows would run the recurrence). learn: correct the
+        table's prices from the passes' own times (`timed`)."""
         self.cost = cost
         self.pad = pad
+        self.learn = learn
         self.rates = RankRates()
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
         self._plans: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple[int, int], int] = {}
+        self.times = PassTimes()
+        self._chosen = 0
+        self._trial: int | None = None
+        self.factors: dict[int, float] = {}  # rows -> learned factor on the table's price
 
-    def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray]:
-        """(cost, rows), both indexed by a pass's own row count r: the rows it runs as and the
-        seconds that costs, at about this context. With padding on, r runs as the cheapest count
+    def timed(self, rows: int, context: int, seconds: float) -> None:
+        """A pass of `rows` rows (as run, padding included) over `context` cached tokens took
+        `seconds`; every RELEARN passes the prices are corrected from these (PassTimes)."""
+        if not self.learn or seconds <= 0:
+            return
+        self.times.add(rows, seconds / self.cost.cost(rows, context))
+        if self.times.n % self.RELEARN == 0:
+            self.factors = self.times.factors()
+            self._plans.clear()
+            self._caps.clear()
+
+    def price(self, rows: int, context: int) -> float:
+        """The table's seconds for a pass of `rows` rows, corrected by what such passes took."""
+        run = rows
+        if self.cost.buckets:  # a pass runs as its bucket
+            i = bisect.bisect_left(self.cost.buckets, rows)
+            run = self.cost.buckets[i] if i < len(self.cost.buckets) else rows
+        return self.cost.cost(rows, context) * self.factors.get(run, 1.0)
+
+    def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cost, rows, price), all indexed by a pass's own row count r: the seconds it costs as
+        run, the rows it runs as, and the price of r rows unpadded, at about this context. With padding on, r runs as the cheapest count
         >= r among the measured ones and, past the counts measured one by one (1..16), r itself
         (interpolated); a one-row step is never padded."""
         key = (context // self.CONTEXT_STEP, self.pad)
         plan = self._plans.get(key)
         if plan is None:
             c = key[0] * self.CONTEXT_STEP
-            raw = np.array([self.cost.cost(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
+            raw = np.array([self.price(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
             rows = np.arange(self.MAX_ROWS + 1)
             if self.pad:
                 sizes = [s for s in self.cost.sizes if s <= self.MAX_ROWS]
@@ -181,7 +247,7 @@ class Sizer:
                 for r in range(2, sizes[-1] + 1 if sizes else 0):
                     options = [s for s in sizes if s >= r] + ([r] if r > dense else [])
                     rows[r] = min(options, key=lambda s: (raw[s], s))
-            plan = self._plans[key] = (raw[rows], rows)
+            plan = self._plans[key] = (raw[rows], rows, raw)
         return plan
 
     def costs(self, context: int) -> np.ndarray:
@@ -192,6 +258,28 @@ class Sizer:
         """How many rows a pass of n rows runs as (padded to a cheaper count, or n)."""
         rows = self._plan(context)[1]
         return int(rows[n]) if n < len(rows) else n
+
+    def pass_rows(self, n: int, context: int) -> int:
+        """The rows the engine's next pass of n rows runs as: `rows`, or the size `choose` picked
+        to try (learning)."""
+        trial, self._trial = self._trial, None
+        return trial if trial is not None and trial >= n else self.rows(n, context)
+
+    def _runner_up(self, scores: np.ndarray, lead: int, context: int, n: int) -> tuple[int, int]:
+        """(drafts, rows) of the best pass that runs as another row count than the best one's:
+        what one in EXPLORE passes sends, so prices are learned beside the size mostly sent (a
+        size never sent beside another cannot be found mispriced: only relative times count)."""
+        _, rows, price = self._plan(context)
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])
+        sizes = set(range(lead, lead + len(scores) + 1))
+        if self.pad:
+            sizes |= {s for s in self.cost.sizes if lead < s <= self.MAX_ROWS}
+        sizes.discard(int(rows[lead + n]))
+        sizes = [s for s in sizes if 0 < s < len(price)]
+        if not sizes:
+            return n, int(rows[lead + n])
+        best = max(sizes, key=lambda s: (expected[min(len(scores), s - lead)] / price[s], -s))
+        return min(len(scores), best - lead), best
 
     def cap(self, limit: int, context: int) -> int:
         """How many draft tokens to ask the drafter for: about twice what recent passes used
@@ -218,6 +306,11 @@ class Sizer:
         scores = tree.scores[: self.MAX_ROWS - lead]
         n = best_size(scores, lead, self.costs(context))
         self.used += 0.1 * (n - self.used)
+        self._trial = None
+        if self.learn:
+            self._chosen += 1
+            if self._chosen % self.EXPLORE == 0:
+                n, self._trial = self._runner_up(scores, lead, context, n)
         if n == 0 and cells is not None:  # unscored drafters only learn from drafts they send:
             self._idle += 1  # now and then send one node, or a low estimate could never recover
             n = 1 if self._idle % 8 == 0 else 0

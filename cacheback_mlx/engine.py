@@ -301,16 +301,19 @@ class Engine:
                         tree = tree.first_path()
                     if self.sizer is not None:  # as many nodes as pay for their rows
                         tree = self.sizer.choose(tree, len(lead), len(self.cached))
-                size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.rows)
+                size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.pass_rows)
                 if self.sizer is not None:
-                    size = self.sizer.rows(size, len(self.cached))
+                    size = self.sizer.pass_rows(size, len(self.cached))
                 size = padded_size(size, self.buckets)
                 stats.draft_s += time.perf_counter() - t0
                 # verify: lead + draft in one pass
                 t0 = time.perf_counter()
                 logits = self._verify(lead, tree, size)
                 picks = pick(logits).tolist()
-                stats.verify_s += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                stats.verify_s += seconds
+                if self.sizer is not None:  # what a pass of this size really costs here
+                    self.sizer.timed(size, len(self.cached), seconds)
                 # accept the longest path the model agrees with, plus its bonus token
                 path, bonus = accept(tree, picks)
                 accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
