@@ -154,6 +154,33 @@ def best_first(tree: DraftTree, scores: np.ndarray) -> tuple[DraftTree, list[int
     return DraftTree(tree.tokens[order], parents, scores[order]), order
 
 
+class Calibration:
+    """How often sent nodes were accepted against the drafter's scores, by bins of score: a
+    factor per bin on the scores a drafter gives (they may promise more or less than the model
+    then accepts on this kind of text). Learned from every pass; old passes fade (DECAY)."""
+
+    EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
+    PRIOR = 2.0  # pseudo-acceptances at the drafter's own scores
+    DECAY = 0.998  # per pass (~500 passes remembered)
+
+    def __init__(self):
+        self.hits = np.zeros(len(self.EDGES) + 1)
+        self.expected = np.zeros(len(self.EDGES) + 1)
+
+    def factors(self) -> np.ndarray:
+        return (self.hits + self.PRIOR) / (self.expected + self.PRIOR)
+
+    def apply(self, scores: np.ndarray) -> np.ndarray:
+        return np.clip(scores * self.factors()[np.searchsorted(self.EDGES, scores, side="right")], 0.0, 1.0)
+
+    def update(self, scores: np.ndarray, accepted: np.ndarray) -> None:
+        self.hits *= self.DECAY
+        self.expected *= self.DECAY
+        bins = np.searchsorted(self.EDGES, scores, side="right")
+        np.add.at(self.hits, bins, accepted.astype(float))
+        np.add.at(self.expected, bins, np.clip(scores, 0.0, 1.0))
+
+
 class PassTimes:
     """What passes of each row count really cost, relative to the cost table: per row count, the
     median of (seconds / the table's seconds) over its recent passes, divided by the median over
@@ -188,7 +215,7 @@ class Sizer:
     """Chooses each pass's draft size for the engine (the per-step budget)."""
 
     RELEARN = 16  # passes between updates of the learned prices
-    EXPLORE = 10  # one pass in this many tries the runner-up size (learning)
+    EXPLORE = 32  # one pass in this many tries the runner-up size (learning; each costs ~10%)
 
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
@@ -201,6 +228,7 @@ class Sizer:
         self.pad = pad
         self.learn = learn
         self.rates = RankRates()
+        self.calibration = Calibration()
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
@@ -303,7 +331,9 @@ class Sizer:
             cells = self.rates.cells(tree)
             tree, order = best_first(tree, self.rates.scores(tree, cells))
             cells = cells[order]
-        scores = tree.scores[: self.MAX_ROWS - lead]
+            scores = tree.scores[: self.MAX_ROWS - lead]
+        else:  # the drafter's scores, as calibrated by what the model accepted
+            scores = self.calibration.apply(tree.scores[: self.MAX_ROWS - lead])
         n = best_size(scores, lead, self.costs(context))
         self.used += 0.1 * (n - self.used)
         self._trial = None
@@ -324,6 +354,10 @@ class Sizer:
         """After a pass over `tree`: `path` lists the accepted nodes."""
         if tree.scores is None and self._sent is not None and len(self._sent[0]) == len(tree):
             self.rates.update(tree, self._sent[1], path)
+        elif tree.scores is not None and len(tree):
+            accepted = np.zeros(len(tree), bool)
+            accepted[path] = True
+            self.calibration.update(tree.scores, accepted)
         self._sent = None
 
 

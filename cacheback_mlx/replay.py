@@ -64,7 +64,7 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
         tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
         if sizer is not None:
             tree = sizer.choose(tree.truncate(cap), 1, len(history))
-            pass_s += sizer.costs(len(history))[1 + len(tree)]
+            pass_s += sizer.price(sizer.pass_rows(1 + len(tree), len(history)), len(history))
         draft_s += time.perf_counter() - t0
         if len(tree) > budget:
             raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")

@@ -140,12 +140,30 @@ def test_a_cost_table_priced_wrong_is_corrected_from_the_passes_own_times():
     best = rate(Sizer(CostTable({256: truth}), learn=False), trees, truth)
     fooled = rate(Sizer(CostTable({256: skewed}), learn=False), trees, truth)
     learner = Sizer(CostTable({256: skewed}))
-    simulate(learner, truth, 400, rng, speed=lambda i: 1.0 if i < 200 else 1.3)
+    simulate(learner, truth, 1200, rng, speed=lambda i: 1.0 if i < 600 else 1.3)
     learner.learn = False  # rated on its prices alone, no trial passes
     assert fooled < 0.97 * best  # the skew costs (9-row passes that really cost 1.22x)
     assert rate(learner, trees, truth) > 0.995 * best
     assert learner.factors[9] / learner.factors[8] > 1.15  # the truth: 1.22 / 1.12 against 0.98 / 1.12
     assert learner.price(9, 300) > learner.price(8, 300)
+
+
+def test_drafter_scores_are_calibrated_by_what_the_model_accepted():
+    """A drafter whose scores promise half of what the model accepts gets its scores corrected,
+    and the sizer then sends the drafts it dropped before; a calibrated drafter's stay as they are."""
+    rng = np.random.default_rng(2)
+    tree = DraftTree([11, 12], [-1, -1], np.array([0.06, 0.06]))  # two guesses at the next token
+    for truth_factor, lo, hi in ((2.0, 1.7, 2.3), (1.0, 0.8, 1.2)):
+        sizer = Sizer(CostTable({256: CPU_CURVE}), learn=False)
+        before = len(sizer.choose(tree, 1, 0))  # 1.12 tokens expected for 1.12x a step: not worth it
+        for _ in range(3000):
+            u = rng.random() / truth_factor  # the model picks each guess with 0.06 x truth_factor
+            sizer.update(tree, [0] if u < 0.06 else [1] if u < 0.12 else [])
+        f = sizer.calibration.factors()[np.searchsorted(sizer.calibration.EDGES, 0.06, side="right")]
+        assert lo < f < hi, (truth_factor, f)
+        assert before == 0
+        if truth_factor == 2.0:  # 1.24 tokens for 1.12x a step (3 rows run as 8): now worth it
+            assert len(sizer.choose(tree, 1, 0)) == 2
 
 
 def test_a_machine_that_slows_down_as_a_whole_changes_no_price():
