@@ -15,9 +15,11 @@ like rejected ones), and the sizer fills those rows with drafts when any are lef
 A table measured once can be wrong about some sizes (a slow spell during the measurement; real
 trees attend differently from the measured chains), so the sizer also learns from the passes it
 sends: the engine reports each pass's seconds (Sizer.timed), and each row count's price is
-corrected by how much slower or faster than the table it ran, relative to all passes (PassTimes).
+corrected by how much slower or faster than the table it ran, relative to all passes (PassTimes;
+one pass in EXPLORE tries the runner-up size, so there is always a second size to compare with).
 A machine that slows down as a whole changes no price; a size the table priced too low is sent,
-found out and priced up within a few dozen passes.
+found out and priced up. Drafters' scores are calibrated the same way, by what the model accepted
+(Calibration).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from .tree import DraftTree
+from .verify import padded_size
 
 log = logging.getLogger(__name__)
 
@@ -252,17 +255,14 @@ class Sizer:
 
     def price(self, rows: int, context: int) -> float:
         """The table's seconds for a pass of `rows` rows, corrected by what such passes took."""
-        run = rows
-        if self.cost.buckets:  # a pass runs as its bucket
-            i = bisect.bisect_left(self.cost.buckets, rows)
-            run = self.cost.buckets[i] if i < len(self.cost.buckets) else rows
+        run = padded_size(rows, self.cost.buckets)  # a pass runs as its shape bucket, if any
         return self.cost.cost(rows, context) * self.factors.get(run, 1.0)
 
     def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost, rows, price), all indexed by a pass's own row count r: the seconds it costs as
-        run, the rows it runs as, and the price of r rows unpadded, at about this context. With padding on, r runs as the cheapest count
-        >= r among the measured ones and, past the counts measured one by one (1..16), r itself
-        (interpolated); a one-row step is never padded."""
+        run, the rows it runs as, and the price of r rows unpadded, at about this context. With
+        padding on, r runs as the cheapest count >= r among the measured ones and, past the counts
+        measured one by one (1..16), r itself (interpolated); a one-row step is never padded."""
         key = (context // self.CONTEXT_STEP, self.pad)
         plan = self._plans.get(key)
         if plan is None:
@@ -372,7 +372,7 @@ def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int 
     its ratios). Uses its own caches, one per context (the model's real ones are not touched);
     each pass is undone."""
     from .kvcache import ModelCache
-    from .verify import padded_size, prefill, verify_pass
+    from .verify import prefill, verify_pass
 
     caches = {}
     for c in sorted(contexts):
