@@ -70,9 +70,7 @@ class CostTable:
     def _at(self, context: int, rows: int) -> float:
         points = self.table[context]
         sizes = sorted(points)
-        if self.buckets:  # a pass is padded to its bucket: it costs what the bucket costs
-            i = bisect.bisect_left(self.buckets, rows)
-            rows = self.buckets[i] if i < len(self.buckets) else rows
+        rows = padded_size(rows, self.buckets)  # a pass padded to its bucket costs what the bucket costs
         i = bisect.bisect_left(sizes, rows)
         if i < len(sizes) and sizes[i] == rows:
             return points[rows]
@@ -102,10 +100,15 @@ class CostTable:
         return CostTable({int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in data["seconds"].items()}, buckets)
 
 
+def expected_tokens(scores: np.ndarray) -> np.ndarray:
+    """[n + 1]: the tokens a pass yields on average with the first n nodes sent, its own included."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])
+
+
 def best_size(scores: np.ndarray, lead: int, costs: np.ndarray) -> int:
     """The n in 0..len(scores) maximising (1 + scores[:n].sum()) / costs[lead + n]
     (costs[r]: seconds of a pass of r rows)."""
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])
+    expected = expected_tokens(scores)
     return int(np.argmax(expected / costs[lead : lead + len(expected)]))
 
 
@@ -298,7 +301,7 @@ class Sizer:
         what one in EXPLORE passes sends, so prices are learned beside the size mostly sent (a
         size never sent beside another cannot be found mispriced: only relative times count)."""
         _, rows, price = self._plan(context)
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])
+        expected = expected_tokens(scores)
         sizes = set(range(lead, lead + len(scores) + 1))
         if self.pad:
             sizes |= {s for s in self.cost.sizes if lead < s <= self.MAX_ROWS}

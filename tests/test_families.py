@@ -32,6 +32,18 @@ def reference(model, prompt, n):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
+class Scored(NoDrafter):
+    """Another drafter's trees with node scores (path probabilities that halve with depth), so the
+    sizer takes its scored path: calibrated scores (budget.Calibration) choose the nodes sent."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, history, budget, max_branching=None):
+        tree = self.inner.propose(history, budget, max_branching=max_branching)
+        return DraftTree(tree.tokens, tree.parents, 0.9 * 0.5 ** (tree.depths() - 1))
+
+
 def run(model, drafter, prompt=PROMPT, n=N, engine=None, **kw):
     eng = engine or Engine(model, eos_ids=[], drafter=drafter, context_length=4096, **kw)
     eng.drafter = drafter
@@ -70,12 +82,15 @@ def test_greedy_tokens_equal_mlx_lm(family):
     # uncached prompt (24 tokens, under Engine's LEAD_TAIL) leading the first pass with the drafts
     padded = CostTable({256: {1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5, 8: 1.2, 16: 2.0}})
     for label, d in {"oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
-                     "random-2": RandomTreeDrafter(PROMPT, truth, seed=2)}.items():
+                     "random-2": RandomTreeDrafter(PROMPT, truth, seed=2),
+                     "scored": Scored(RandomTreeDrafter(PROMPT, truth, seed=4))}.items():
         sizer = Sizer(padded)
         sizer.EXPLORE = 2  # every other pass tries the runner-up size (learning prices): still exact
         out, _ = run(model, d, sizer=sizer)
         assert out == truth, (name, "per-step", label)
         assert sizer.times.n > 0 and sizer._chosen >= 2, (name, label)  # passes timed, sizes tried
+        if label == "scored":  # its scores went through the calibration, which learned from them
+            assert sizer.calibration.expected.sum() > 0, name
 
 
 def test_second_call_reuses_the_cache_and_a_shared_prefix_is_trimmed(family):
