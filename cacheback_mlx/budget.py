@@ -161,53 +161,89 @@ def best_first(tree: DraftTree, scores: np.ndarray) -> tuple[DraftTree, list[int
 
 
 class Calibration:
-    """How often sent nodes were accepted against the drafter's scores, by bins of score: a
-    factor per bin on the scores a drafter gives (they may promise more or less than the model
-    then accepts on this kind of text). Learned from every pass; old passes fade (DECAY)."""
+    """How often sent nodes were accepted against the drafter's scores, by bins of score and of
+    place in the tree (nodes come best first: the first node, the second, 3rd-4th, 5th-8th, the
+    rest): a factor per cell on the scores a drafter gives (they may promise more or less than the
+    model then accepts on this kind of text). The place matters: a first node scored 0.1 is the
+    best guess of a step where nothing is sure and is accepted far more often than a tenth node
+    scored 0.1 under nine likelier ones. Learned from every pass; old passes fade (DECAY)."""
 
     EDGES = np.array([0.05, 0.15, 0.3, 0.5, 0.75])
-    PRIOR = 2.0  # pseudo-acceptances at the drafter's own scores
+    PLACES = np.array([1, 2, 4, 8])  # bin edges on a node's index in the tree
+    PRIOR = 2.0  # pseudo-acceptances at the drafter's own scores, per cell
     DECAY = 0.998  # per pass (~500 passes remembered)
 
     def __init__(self):
-        self.hits = np.zeros(len(self.EDGES) + 1)
-        self.expected = np.zeros(len(self.EDGES) + 1)
+        self.hits = np.zeros((len(self.EDGES) + 1, len(self.PLACES) + 1))
+        self.expected = np.zeros_like(self.hits)
 
     def factors(self) -> np.ndarray:
+        """[score bin, place bin] -> the factor on a drafter's score."""
         return (self.hits + self.PRIOR) / (self.expected + self.PRIOR)
 
-    def apply(self, scores: np.ndarray) -> np.ndarray:
-        return np.clip(scores * self.factors()[np.searchsorted(self.EDGES, scores, side="right")], 0.0, 1.0)
+    def _cells(self, scores: np.ndarray, places: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        places = np.arange(len(scores)) if places is None else places
+        return np.searchsorted(self.EDGES, scores, side="right"), np.searchsorted(self.PLACES, places, side="right")
 
-    def update(self, scores: np.ndarray, accepted: np.ndarray) -> None:
+    def apply(self, scores: np.ndarray) -> np.ndarray:
+        return np.clip(scores * self.factors()[self._cells(scores)], 0.0, 1.0)
+
+    def update(self, scores: np.ndarray, accepted: np.ndarray, places: np.ndarray | None = None) -> None:
+        """scores: nodes' scores; accepted: whether each was; places: their indices in the tree
+        (default: 0, 1, 2, ...)."""
         self.hits *= self.DECAY
         self.expected *= self.DECAY
-        bins = np.searchsorted(self.EDGES, scores, side="right")
-        np.add.at(self.hits, bins, accepted.astype(float))
-        np.add.at(self.expected, bins, np.clip(scores, 0.0, 1.0))
+        cells = self._cells(scores, places)
+        np.add.at(self.hits, cells, accepted.astype(float))
+        np.add.at(self.expected, cells, np.clip(scores, 0.0, 1.0))
+
+
+def known_outcomes(tree: DraftTree, continuation: list[int]) -> np.ndarray:
+    """For every node, sent or not: 1 if its root path is a prefix of the model's continuation
+    (the tokens a pass accepted, its own token included), 0 if the path leaves it, -1 if the
+    path runs past what is known. A node a pass did not send is labelled as surely as a sent
+    one: the model's token after each accepted node does not depend on which drafts were sent."""
+    out = np.empty(len(tree), np.int8)
+    depth = np.empty(len(tree), np.int64)
+    for i, p in enumerate(tree.parents.tolist()):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+        if p >= 0 and out[p] != 1:
+            out[i] = out[p]  # off the continuation already, or past what is known
+        elif depth[i] > len(continuation):
+            out[i] = -1
+        else:
+            out[i] = int(tree.tokens[i]) == continuation[depth[i] - 1]
+    return out
 
 
 class PassTimes:
-    """What passes of each row count really cost, relative to the cost table: per row count, the
-    median of (seconds / the table's seconds) over its recent passes, divided by the median over
-    all recent passes, so a machine-wide slowdown cancels out. A count seen a few times is pulled
-    toward the table (PRIOR), and what was seen more than WINDOW passes ago is forgotten (a count
-    once priced up is tried again later)."""
+    """What passes of each band of row counts really cost, relative to the cost table: per band,
+    the median of (seconds / the table's seconds) over its recent passes, divided by the median
+    over all recent passes, so a machine-wide slowdown cancels out. A band seen a few times is
+    pulled toward the table (PRIOR), and what was seen more than WINDOW passes ago is forgotten (a
+    band once priced up is tried again later). Bands, not single counts: a table's error is about
+    the same for 17 rows as for 19 (one slow spell, one interpolation), and the counts past 16 are
+    each sent too rarely to be learned one by one; 8 and 16, the counts a BLAS tiles, end bands."""
 
+    BANDS = np.array([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192])  # band b: BANDS[b-1] < rows <= BANDS[b]
     WINDOW = 512  # passes an observation counts for
-    PRIOR = 3  # observations of a count before they weigh as much as the table
-    KEEP = 48  # observations kept per row count
+    PRIOR = 3  # observations of a band before they weigh as much as the table
+    KEEP = 48  # observations kept per band
 
     def __init__(self):
         self.n = 0
         self.seen: dict[int, collections.deque] = {}
 
+    @classmethod
+    def band(cls, rows: int) -> int:
+        return int(np.searchsorted(cls.BANDS, rows, side="left"))
+
     def add(self, rows: int, ratio: float) -> None:
         self.n += 1
-        self.seen.setdefault(rows, collections.deque(maxlen=self.KEEP)).append((self.n, ratio))
+        self.seen.setdefault(self.band(rows), collections.deque(maxlen=self.KEEP)).append((self.n, ratio))
 
     def factors(self) -> dict[int, float]:
-        """rows -> the factor on the table's price."""
+        """band -> the factor on the table's price."""
         recent = {r: [x for i, x in q if i > self.n - self.WINDOW] for r, q in self.seen.items()}
         pooled = [x for xs in recent.values() for x in xs]
         if not pooled:
@@ -238,12 +274,13 @@ class Sizer:
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
+        self._offered: DraftTree | None = None  # the last scored tree's candidates, sent or not
         self._plans: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._caps: dict[tuple[int, int], int] = {}
         self.times = PassTimes()
         self._chosen = 0
         self._trial: int | None = None
-        self.factors: dict[int, float] = {}  # rows -> learned factor on the table's price
+        self.factors: dict[int, float] = {}  # band of rows (PassTimes.band) -> learned factor on the table's price
 
     def timed(self, rows: int, context: int, seconds: float) -> None:
         """A pass of `rows` rows (as run, padding included) over `context` cached tokens took
@@ -256,10 +293,14 @@ class Sizer:
             self._plans.clear()
             self._caps.clear()
 
+    def factor(self, rows: int) -> float:
+        """The learned factor on the table's price of a pass run as `rows` rows."""
+        return self.factors.get(PassTimes.band(rows), 1.0)
+
     def price(self, rows: int, context: int) -> float:
         """The table's seconds for a pass of `rows` rows, corrected by what such passes took."""
         run = padded_size(rows, self.cost.buckets)  # a pass runs as its shape bucket, if any
-        return self.cost.cost(rows, context) * self.factors.get(run, 1.0)
+        return self.cost.cost(rows, context) * self.factor(run)
 
     def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost, rows, price), all indexed by a pass's own row count r: the seconds it costs as
@@ -336,7 +377,8 @@ class Sizer:
             cells = cells[order]
             scores = tree.scores[: self.MAX_ROWS - lead]
         else:  # the drafter's scores, as calibrated by what the model accepted
-            scores = self.calibration.apply(tree.scores[: self.MAX_ROWS - lead])
+            self._offered = tree.truncate(self.MAX_ROWS - lead)
+            scores = self.calibration.apply(self._offered.scores)
         n = best_size(scores, lead, self.costs(context))
         self.used += 0.1 * (n - self.used)
         self._trial = None
@@ -353,14 +395,25 @@ class Sizer:
             tree = DraftTree(tree.tokens, tree.parents)  # not the drafter's scores
         return tree
 
-    def update(self, tree: DraftTree, path: list[int]) -> None:
-        """After a pass over `tree`: `path` lists the accepted nodes."""
+    def update(self, tree: DraftTree, path: list[int], continuation: list[int] | None = None) -> None:
+        """After a pass over `tree`: `path` lists the accepted nodes, `continuation` the tokens
+        the pass produced (the accepted ones and the model's own after them). With it, the
+        calibration learns from every candidate choose() was offered, not only the sent ones:
+        learning from sent nodes alone, a step that sends nothing (its scores were low) could
+        never show that such scores are accepted more often than they say."""
+        offered, self._offered = self._offered, None
         if tree.scores is None and self._sent is not None and len(self._sent[0]) == len(tree):
             self.rates.update(tree, self._sent[1], path)
-        elif tree.scores is not None and len(tree):
-            accepted = np.zeros(len(tree), bool)
-            accepted[path] = True
-            self.calibration.update(tree.scores, accepted)
+        elif tree.scores is not None and len(tree) or offered is not None and continuation:
+            if (continuation and offered is not None and len(offered) >= len(tree)
+                    and np.array_equal(offered.tokens[: len(tree)], tree.tokens)):
+                known = known_outcomes(offered, continuation)
+                places = np.flatnonzero(known >= 0)
+                self.calibration.update(offered.scores[places], known[places] == 1, places)
+            elif tree.scores is not None:
+                accepted = np.zeros(len(tree), bool)
+                accepted[path] = True
+                self.calibration.update(tree.scores, accepted)
         self._sent = None
 
 

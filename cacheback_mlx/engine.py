@@ -318,7 +318,7 @@ class Engine:
                 path, bonus = accept(tree, picks)
                 accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
                 if self.sizer is not None:
-                    self.sizer.update(tree, path)
+                    self.sizer.update(tree, path, accepted)
                 # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                 rows = list(range(len(lead))) + [len(lead) + i for i in path]
                 whole = len(path) == len(tree) and size == len(rows)

@@ -71,10 +71,10 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
         max_tree = max(max_tree, len(tree))
         path = longest_match(tree, output[pos:])
         accepted = [int(tree.tokens[i]) for i in path]
-        if sizer is not None:
-            sizer.update(tree, path)
         if pos + len(accepted) < len(output):
             accepted.append(int(output[pos + len(accepted)]))  # the bonus token
+        if sizer is not None:
+            sizer.update(tree, path, accepted)
         history.extend(accepted)
         pos += len(accepted)
         steps += 1

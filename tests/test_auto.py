@@ -9,7 +9,7 @@ import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
-from cacheback_mlx.budget import CostTable, RankRates, Sizer, best_size, load_or_measure, measure
+from cacheback_mlx.budget import CostTable, RankRates, Sizer, best_size, known_outcomes, load_or_measure, measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
@@ -144,7 +144,7 @@ def test_a_cost_table_priced_wrong_is_corrected_from_the_passes_own_times():
     learner.learn = False  # rated on its prices alone, no trial passes
     assert fooled < 0.97 * best  # the skew costs (9-row passes that really cost 1.22x)
     assert rate(learner, trees, truth) > 0.995 * best
-    assert learner.factors[9] / learner.factors[8] > 1.15  # the truth: 1.22 / 1.12 against 0.98 / 1.12
+    assert learner.factor(9) / learner.factor(8) > 1.15  # the truth: 1.22 / 1.12 against 0.98 / 1.12
     assert learner.price(9, 300) > learner.price(8, 300)
 
 
@@ -159,11 +159,31 @@ def test_drafter_scores_are_calibrated_by_what_the_model_accepted():
         for _ in range(3000):
             u = rng.random() / truth_factor  # the model picks each guess with 0.06 x truth_factor
             sizer.update(tree, [0] if u < 0.06 else [1] if u < 0.12 else [])
-        f = sizer.calibration.factors()[np.searchsorted(sizer.calibration.EDGES, 0.06, side="right")]
-        assert lo < f < hi, (truth_factor, f)
+        f = sizer.calibration.factors()[np.searchsorted(sizer.calibration.EDGES, 0.06, side="right"), :2]
+        assert (lo < f).all() and (f < hi).all(), (truth_factor, f)
         assert before == 0
         if truth_factor == 2.0:  # 1.24 tokens for 1.12x a step (3 rows run as 8): now worth it
             assert len(sizer.choose(tree, 1, 0)) == 2
+
+
+def test_the_calibration_learns_from_candidates_that_were_not_sent():
+    """A step that sends nothing (low scores) still shows how often such scores are accepted:
+    the model's own token labels every candidate under the accepted path, sent or not."""
+    tree = DraftTree([11, 12, 13], [-1, 0, -1], np.array([0.03, 0.02, 0.01]))
+    assert known_outcomes(tree, [11, 12]).tolist() == [1, 1, 0]
+    assert known_outcomes(tree, [11]).tolist() == [1, -1, 0]  # 12 lies past what is known
+    assert known_outcomes(tree, [13, 5]).tolist() == [0, 0, 1]
+    rng = np.random.default_rng(3)
+    sizer = Sizer(CostTable({256: CPU_CURVE}), learn=False)
+    assert len(sizer.choose(tree, 1, 0)) == 0  # 0.03 tokens expected: not worth a row
+    for _ in range(2000):
+        sent = sizer.choose(tree, 1, 0)
+        assert len(sent) == 0 or sent.tokens[0] == 11
+        pick = 11 if rng.random() < 0.3 else 7  # the model takes 11 ten times as often as scored
+        sizer.update(sent, [0] if len(sent) and pick == 11 else [], [pick, 12])
+    f = sizer.calibration.factors()[0, 0]  # score bin < 0.05, first place
+    assert 6 < f < 12, f
+    assert len(sizer.choose(tree, 1, 0)) >= 1  # 0.3 expected for ~1.1x a step: now worth sending
 
 
 def test_a_machine_that_slows_down_as_a_whole_changes_no_price():
