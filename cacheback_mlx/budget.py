@@ -355,7 +355,8 @@ class Sizer:
 
     def cap(self, limit: int, context: int) -> int:
         """How many draft tokens to ask the drafter for: about twice what recent passes used
-        (a bigger candidate tree costs drafting time every step), and never past the rows a pass
+        (a bigger candidate tree costs drafting time every step), at least as many as fill the
+        rows a one-draft pass is padded to, and never past the rows a pass
         can have before it costs 2x a one-token step: beyond that a pass pays only if more than
         one draft token is expected per extra step's worth of rows, rare outside long exact
         repeats (--draft-budget lowers the cap too)."""
@@ -364,7 +365,9 @@ class Sizer:
         if key not in self._caps:
             vec = self.costs(context)
             self._caps[key] = max([n for n in range(limit + 1) if vec[n + 1] <= 2.0 * vec[1]], default=0)
-        return min(self._caps[key], max(4, int(2 * self.used) + 2))
+        # never fewer than fill the smallest pass with a draft: where 2 rows run as 8, 7 drafts ride free
+        fill = self.rows(2, context) - 1
+        return min(self._caps[key], max(4, fill, int(2 * self.used) + 2))
 
     def choose(self, tree: DraftTree, lead: int, context: int) -> DraftTree:
         """The first n nodes of the tree, n chosen for the most expected tokens per second."""
