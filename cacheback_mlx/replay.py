@@ -49,9 +49,12 @@ class ReplayResult:
 
 
 def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budget: int = 96,
-           sizer=None) -> ReplayResult:
+           sizer=None, clock=None) -> ReplayResult:
     """Run `drafter` over prompt -> output as the engine would; count passes and accepted tokens.
-    sizer (budget.Sizer): size each pass as the engine's per-step budget does, `budget` the cap."""
+    sizer (budget.Sizer): size each pass as the engine's per-step budget does, `budget` the cap.
+    clock(rows, context) -> seconds: what a pass "really" costs; each pass is priced by it and
+    reported to the sizer as the engine reports a measured pass (default: the sizer's own price,
+    nothing reported)."""
     history = list(prompt)
     t0 = time.perf_counter()
     drafter.observe(history)
@@ -64,7 +67,12 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
         tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
         if sizer is not None:
             tree = sizer.choose(tree.truncate(cap), 1, len(history))
-            pass_s += sizer.price(sizer.pass_rows(1 + len(tree), len(history)), len(history))
+            rows = sizer.pass_rows(1 + len(tree), len(history))
+            if clock is None:
+                pass_s += sizer.price(rows, len(history))
+            else:
+                pass_s += (seconds := clock(rows, len(history)))
+                sizer.timed(rows, len(history), seconds)
         draft_s += time.perf_counter() - t0
         if len(tree) > budget:
             raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")

@@ -92,6 +92,13 @@ def test_passes_are_padded_to_the_cheapest_measured_row_count_and_filled_with_dr
         assert sizer.costs(0)[r] == min(t for s, t in CPU_CURVE.items() if s >= r)
     # past the counts measured one by one, a count runs as itself at its interpolated cost
     assert sizer.costs(0)[20] == pytest.approx((1.41 + 1.78) / 2)
+    # steps that sent nothing lower the recent use, but the drafter is still asked for the 7
+    # drafts that fill the 8 rows any pass with a draft runs as
+    hopeless = DraftTree([1, 2], [-1, 0], np.full(2, 0.001))
+    for _ in range(60):
+        assert len(sizer.choose(hopeless, 1, 0)) == 0
+    assert sizer.used < 0.1 and sizer.cap(63, 0) == 7
+    assert Sizer(CostTable({256: CPU_CURVE}), pad=False, learn=False).cap(63, 0) == 18  # 2 x 8 + 2
     assert sizer.costs(0)[6] == pytest.approx(1.12)
     assert sizer.costs(0)[1] == 1.0  # a one-row step is the plain step, never padded
     chain = DraftTree.chain(list(range(20)))

@@ -7,14 +7,18 @@ Two protocols, both printed:
   request's own state (history, Cacheback's dynamic table) goes.
 With --cost (a verify-cost JSON, as `cacheback-mlx bench --verify-cost` saves it) it also replays
 auto and cacheback with the per-step budget and reports tokens per second of pass time (by that
-cost table) plus drafting time (measured here), next to the fixed budget of 7. With --calibration
-it prints how often auto's nodes were accepted against their scores.
+cost table) plus drafting time (measured here), next to the fixed budget of 7. With --truth
+(another verify-cost JSON) the sizer decides with --cost but each pass is priced by --truth and
+reported to the sizer with --noise (lognormal sigma) as a measured pass, as the engine reports
+its passes: how a sizer fares when its table is off. With --calibration it prints how often
+auto's nodes were accepted against their scores.
 
-    .venv/bin/python tools/auto_sweep.py [--budgets 7,15,63] [--cost FILE] [--calibration]
+    .venv/bin/python tools/auto_sweep.py [--budgets 7,15,63] [--cost FILE [--truth FILE --noise 0.08]] [--calibration]
 """
 
 import argparse
 import json
+import random
 
 import numpy as np
 
@@ -34,7 +38,7 @@ DRAFTERS = {
 }
 
 
-def run(make, streams, budget, in_order, sizer=None):
+def run(make, streams, budget, in_order, sizer=None, clock=None):
     totals = {"sb": [0, 0], "he": [0, 0]}
     draft_s = pass_s = 0.0
     d = None
@@ -42,7 +46,7 @@ def run(make, streams, budget, in_order, sizer=None):
         if d is None or not in_order:
             d = make()
         d.reset()
-        r = replay(d, s["prompt"], s["out"], budget, sizer=sizer)
+        r = replay(d, s["prompt"], s["out"], budget, sizer=sizer, clock=clock)
         d.end_request()
         wait = getattr(getattr(d, "ssd", d), "wait", None)
         if wait:
@@ -59,6 +63,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="7,15,63")
     ap.add_argument("--cost", default=None, help="verify-cost JSON for the per-step rows")
+    ap.add_argument("--truth", default=None, help="verify-cost JSON that prices the passes (default: --cost)")
+    ap.add_argument("--noise", type=float, default=0.08, help="with --truth: lognormal noise on the pass times reported")
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the MAT tables")
     ap.add_argument("--frozen", default=None, help="a frozen table for auto and cacheback (default: the shipped one)")
@@ -83,11 +89,16 @@ def main():
                 print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} |", flush=True)
     if a.cost:
         cost = CostTable.from_json(json.loads(open(a.cost).read()))
+        clock = None
+        if a.truth:
+            truth, rng = CostTable.from_json(json.loads(open(a.truth).read())), random.Random(0)
+            clock = lambda rows, context: truth.cost(rows, context) * rng.lognormvariate(0.0, a.noise)
+            print(f"\ndecided with {a.cost}, priced by {a.truth} (noise {a.noise} on the times the sizer learns from)")
         print("\n| protocol (in order) | drafter | budget | all MAT | draft us/step | tok/s by pass time | tok/s by pass + draft time |")
         print("|---|---|---|---:|---:|---:|---:|")
         for name in ("auto", "cacheback"):
-            for label, b, sizer in (("fixed 7", 7, FixedSizer(cost)), ("per step, cap 63", 63, Sizer(cost))):
-                r = run(lambda: DRAFTERS[name](b), streams, b, True, sizer=sizer)
+            for label, b, sizer in (("fixed 7", 7, FixedSizer(cost, learn=False)), ("per step, cap 63", 63, Sizer(cost))):
+                r = run(lambda: DRAFTERS[name](b), streams, b, True, sizer=sizer, clock=clock)
                 with_draft = r[4] / (1 + r[3] * 1e-6 * r[4] / r[2])  # seconds per token + draft per token
                 print(f"| in order | {name} | {label} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {with_draft:.2f} |", flush=True)
 
