@@ -346,6 +346,22 @@ def test_auto_beats_each_of_its_sources_on_recorded_streams():
         assert auto > mat(make), name
 
 
+def test_replay_prices_passes_by_a_clock_and_reports_them_to_the_sizer():
+    """tools/auto_sweep.py --truth: the sizer decides with its table, each pass is priced by the
+    clock and reported to the sizer as the engine reports a measured pass."""
+    prompt, out = PROMPT * 4, PROMPT * 2 + list(range(100, 140))  # a repeat, then nothing to draft from
+    seen = []
+    clock = lambda rows, context: seen.append((rows, context)) or 0.01 * rows
+    sizer = Sizer(CostTable({256: CPU_CURVE}))
+    r = replay(make_drafter("pld"), prompt, out, 16, sizer=sizer, clock=clock)
+    assert len(seen) == r.steps == sizer.times.n
+    assert r.pass_seconds == pytest.approx(0.01 * sum(rows for rows, _ in seen))
+    assert sizer.factors  # learned from the clock's times (every RELEARN passes)
+    quiet = Sizer(CostTable({256: CPU_CURVE}))
+    replay(make_drafter("pld"), prompt, out, 16, sizer=quiet)  # no clock: the table's prices, nothing reported
+    assert quiet.times.n == 0
+
+
 # -- the engine with a per-step budget: lossless, and the sizes follow acceptance --------------
 SIZER = Sizer(CostTable({256: {1: 1.0, 8: 1.1, 16: 1.4, 24: 1.8, 32: 2.2, 64: 4.0}}))
 
