@@ -407,16 +407,15 @@ class Sizer:
         offered, self._offered = self._offered, None
         if tree.scores is None and self._sent is not None and len(self._sent[0]) == len(tree):
             self.rates.update(tree, self._sent[1], path)
-        elif tree.scores is not None and len(tree) or offered is not None and continuation:
-            if (continuation and offered is not None and len(offered) >= len(tree)
-                    and np.array_equal(offered.tokens[: len(tree)], tree.tokens)):
-                known = known_outcomes(offered, continuation)
-                places = np.flatnonzero(known >= 0)
-                self.calibration.update(offered.scores[places], known[places] == 1, places)
-            elif tree.scores is not None:
-                accepted = np.zeros(len(tree), bool)
-                accepted[path] = True
-                self.calibration.update(tree.scores, accepted)
+        elif (continuation and offered is not None and len(offered) >= len(tree)
+              and np.array_equal(offered.tokens[: len(tree)], tree.tokens)):  # what choose() sent of it
+            known = known_outcomes(offered, continuation)
+            places = np.flatnonzero(known >= 0)
+            self.calibration.update(offered.scores[places], known[places] == 1, places)
+        elif tree.scores is not None and len(tree):
+            accepted = np.zeros(len(tree), bool)
+            accepted[path] = True
+            self.calibration.update(tree.scores, accepted)
         self._sent = None
 
 
