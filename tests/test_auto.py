@@ -362,6 +362,20 @@ def test_replay_prices_passes_by_a_clock_and_reports_them_to_the_sizer():
     assert quiet.times.n == 0
 
 
+def test_auto_sweep_refuses_a_missing_or_foreign_cost_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "auto_sweep.py"
+    foreign = tmp_path / "x.json"
+    foreign.write_text('{"x": 1}')
+    for args in (["--cost", str(tmp_path / "none.json")], ["--cost", str(foreign)], ["--truth", str(foreign)]):
+        r = subprocess.run([sys.executable, str(tool), "--no-sweep", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error:")
+
+
 # -- the engine with a per-step budget: lossless, and the sizes follow acceptance --------------
 SIZER = Sizer(CostTable({256: {1: 1.0, 8: 1.1, 16: 1.4, 24: 1.8, 32: 2.2, 64: 4.0}}))
 

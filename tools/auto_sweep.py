@@ -64,12 +64,16 @@ def main():
     ap.add_argument("--budgets", default="7,15,63")
     ap.add_argument("--cost", default=None, help="verify-cost JSON for the per-step rows")
     ap.add_argument("--truth", default=None, help="verify-cost JSON that prices the passes (default: --cost)")
-    ap.add_argument("--noise", type=float, default=0.08, help="with --truth: lognormal noise on the pass times reported")
+    ap.add_argument("--noise", type=float, default=0.08,
+                    help="with --truth: lognormal sigma on each pass's time (priced and reported to the sizer)")
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the MAT tables")
     ap.add_argument("--frozen", default=None, help="a frozen table for auto and cacheback (default: the shipped one)")
     ap.add_argument("--drafters", default=",".join(DRAFTERS), help="which rows (comma-separated)")
     a = ap.parse_args()
+    if a.truth and not a.cost:
+        ap.error("--truth needs --cost (the table the sizer decides with)")
+    cost, truth = (load_cost(ap, f) if f else None for f in (a.cost, a.truth))
     global FROZEN
     FROZEN = a.frozen
     streams = load_streams()
@@ -87,13 +91,12 @@ def main():
                     continue
                 r = run(lambda: make(b), streams, b, in_order)
                 print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} |", flush=True)
-    if a.cost:
-        cost = CostTable.from_json(json.loads(open(a.cost).read()))
+    if cost:
         clock = None
-        if a.truth:
-            truth, rng = CostTable.from_json(json.loads(open(a.truth).read())), random.Random(0)
+        if truth:
+            rng = random.Random(0)
             clock = lambda rows, context: truth.cost(rows, context) * rng.lognormvariate(0.0, a.noise)
-            print(f"\ndecided with {a.cost}, priced by {a.truth} (noise {a.noise} on the times the sizer learns from)")
+            print(f"\ndecided with {a.cost}, priced by {a.truth} (lognormal noise {a.noise} on each pass's time)")
         print("\n| protocol (in order) | drafter | budget | all MAT | draft us/step | tok/s by pass time | tok/s by pass + draft time |")
         print("|---|---|---|---:|---:|---:|---:|")
         for name in ("auto", "cacheback"):
@@ -101,6 +104,14 @@ def main():
                 r = run(lambda: DRAFTERS[name](b), streams, b, True, sizer=sizer, clock=clock)
                 with_draft = r[4] / (1 + r[3] * 1e-6 * r[4] / r[2])  # seconds per token + draft per token
                 print(f"| in order | {name} | {label} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {with_draft:.2f} |", flush=True)
+
+
+def load_cost(ap, path: str) -> CostTable:
+    """A verify-cost JSON, or a one-line usage error."""
+    try:
+        return CostTable.from_json(json.loads(open(path).read()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        ap.error(f"{path}: not a readable verify-cost file ({type(e).__name__}: {e})")
 
 
 def calibration(streams, budget: int = 24):
