@@ -1,5 +1,6 @@
 """The auto drafter (merged sources, scored nodes) and the per-step draft budget (budget.py)."""
 
+import json
 import random
 
 import mlx.core as mx
@@ -324,6 +325,82 @@ def test_auto_scores_are_calibrated_after_learning():
     late = slice(len(accepted) // 3, None)  # after a warm-up
     assert np.mean(accepted[late]) > 1.0  # the stream is predictable, and drafts find it
     assert np.mean(expected[late]) == pytest.approx(np.mean(accepted[late]), rel=0.25)
+
+
+def test_auto_learns_which_tokens_the_model_takes_beside_the_sources_evidence():
+    """Two candidates with the same evidence from the same source: after passes in which the model
+    always took one token after the root's, that token (and that pair) scores higher."""
+    from cacheback_mlx.drafters.auto import PAIR_MASK, _Trie
+
+    d = AutoDrafter(ssd=False, frozen=False)
+    def trie(root):
+        t = _Trie()
+        t.root = root
+        t.add(-1, [50, 7], "own", 3)
+        t.add(-1, [60, 7], "own", 3)
+        return t
+    t = trie(9)
+    before = [d.scorer.p(t.features(i)) for i in (0, 2)]
+    assert before[0] == pytest.approx(before[1])  # nothing tells them apart yet
+    for _ in range(40):
+        d.scorer.learn_trie(t.tokens, t.parents, t.features, [50, 7])
+    after = [d.scorer.p(t.features(i)) for i in (0, 2)]
+    assert after[0] > 0.5 > after[1]
+    other_root = trie(11)  # the token alone still counts after another token
+    assert d.scorer.p(other_root.features(0)) > d.scorer.p(other_root.features(2))
+    assert all(0 <= f[1] <= PAIR_MASK for f in t.features(0) if f[0] == "pair")
+
+
+def _learn_a_phrase(d: AutoDrafter, rounds: int = 6) -> None:
+    phrase = [5, 6, 7, 8, 9, 10, 11, 12]
+    for _ in range(rounds):
+        d.reset()
+        history = [1, 2] + phrase * 3
+        d.observe(history)
+        for _ in range(4):
+            d.propose(history, 7)
+            d.observe(phrase[:3])
+            history += phrase[:3]
+        d.end_request()
+
+
+def test_auto_keeps_its_learned_scores_between_runs(tmp_path):
+    """A new process (here: a new drafter on the same store) starts from the scores the last one
+    learned, not from the defaults; the file is written atomically beside SSD's store."""
+    first = AutoDrafter(ssd_path=tmp_path / "ssd")
+    _learn_a_phrase(first)
+    first.close()
+    saved = tmp_path / "ssd" / "auto-scores.json"
+    assert saved.is_file() and not list((tmp_path / "ssd").glob(".*.tmp"))
+    second = AutoDrafter(ssd_path=tmp_path / "ssd")
+    kept = {f: w for f, w in first.scorer.w.items() if first.scorer.n.get(f, 0) >= 2 or f not in first.scorer.n}
+    assert second.scorer.w == pytest.approx(kept) and second.scorer.bias == pytest.approx(first.scorer.bias)
+    assert any(isinstance(f, tuple) and f[0] == "from" for f in second.scorer.w)  # tuples survive JSON
+    assert second.scorer.w != AutoDrafter(persist=False).scorer.w  # not the defaults
+    second.close()
+
+
+def test_auto_starts_from_the_defaults_when_its_scores_file_is_bad_and_rewrites_it(tmp_path, caplog):
+    folder = tmp_path / "ssd"
+    folder.mkdir()
+    for bad in (b"{not json", b'{"version": 1, "bias": 0, "bias_n": 0, "w": [["x", 1]]}', b"[]",
+                b'{"version": 99}', b'{"version": 1, "bias": NaN, "bias_n": 0, "w": []}', b"\xff\xfe{"):
+        (folder / "auto-scores.json").write_bytes(bad)
+        d = AutoDrafter(ssd_path=folder)
+        assert d.scorer.w == AutoDrafter(persist=False).scorer.w
+        assert "cannot read the learned scores" in caplog.text
+        caplog.clear()
+    _learn_a_phrase(d, 1)
+    d.close()
+    assert json.loads((folder / "auto-scores.json").read_text())["version"] == 1
+
+
+def test_auto_without_a_kept_store_writes_no_scores(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    d = AutoDrafter(persist=False)
+    _learn_a_phrase(d, 2)
+    d.close()
+    assert d.scores_path is None and not list(tmp_path.rglob("auto-scores.json"))
 
 
 @pytest.mark.skipif(not (SHARED_STREAMS / "greedy_outputs.json").is_file(), reason="needs ../shared data")

@@ -8,12 +8,14 @@ Sources, each a way to guess what follows the history:
 - rest: a REST datastore, when one is given.
 Their candidates are merged into one trie (a token proposed by several sources is one node that
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
-features (scorer.Scorer, learned online from every pass), and its path probability is the product
-down from the root. The tree is built best-first: the most probable node not yet taken is taken
-next and looked up in the tables, so the lookups go where acceptance is likely, and only the
-children of taken nodes are ever scored. The tree sent is the `budget` nodes with the highest path
-probability, best first, with their scores: the engine sizes the pass from them (budget.py), down
-to no draft at all when nothing is likely.
+features (scorer.Scorer, learned online from every pass: what each source says, which sources
+agree, the depth, and the token itself alone and after its parent's), and its path probability is
+the product down from the root. What the scorer learned is kept beside SSD's store on disk
+(`auto-scores.json`, one per tokenizer), so a new process starts from it. The tree is built
+best-first: the most probable node not yet taken is taken next and looked up in the tables, so the
+lookups go where acceptance is likely, and only the children of taken nodes are ever scored. The
+tree sent is the `budget` nodes with the highest path probability, best first, with their scores:
+the engine sizes the pass from them (budget.py), down to no draft at all when nothing is likely.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from ..tree import DraftTree
 from .base import Drafter
 from .cacheback import CachebackDrafter
-from .scorer import Scorer
+from .scorer import KeptScores, Scorer
 from .ssd import SsdDrafter
 
 MAX_K = 8  # longest own-history context matched
@@ -38,6 +40,10 @@ TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
 RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
 GAP = -1  # separates learned text from the history in the own-history index (never a token)
+# (previous token, token) pairs share this many scorer weights at most (a tuple of ints hashes the
+# same in every process, so kept weights keep their meaning)
+PAIR_MASK = (1 << 18) - 1
+SCORES_FILE = "auto-scores.json"  # the scorer's weights, kept in SSD's store folder between runs
 
 # Starting logits (a fresh drafter has seen no pass yet); learning moves them within a few steps.
 PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("ssd", 1): 0.0,
@@ -66,6 +72,7 @@ class _Trie:
         self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children, in order of arrival
         self.ev: list[dict] = []  # per node: source -> (match length or rank, position in path)
         self.count: dict[str, dict[int, int]] = {}  # retrieved source -> continuations through each node (-1: all)
+        self.root = -1  # the root's token (the last one of the history)
 
     def add(self, parent: int, tokens: Sequence[int], source: str, strength: int, weight: int = 1) -> None:
         child, evs, kids = self.child, self.ev, self.kids
@@ -93,9 +100,14 @@ class _Trie:
             counts[-1] = counts.get(-1, 0) + weight
 
     def features(self, i: int) -> list:
-        """The node's features for the scorer (what each source says about it, and the depth)."""
+        """The node's features for the scorer: what each source says about it, which sources
+        proposed it, its depth, and the token itself, alone and after its parent's token (some
+        tokens and pairs the model takes far more often than their sources' evidence says)."""
         ev, p = self.ev[i], self.parents[i]
-        feats: list = [("depth", min(self.depth[i], 6))]
+        token = self.tokens[i]
+        before = self.tokens[p] if p >= 0 else self.root
+        feats: list = [("depth", min(self.depth[i], 6)), ("token", token),
+                       ("pair", hash((before, token)) & PAIR_MASK), ("from",) + tuple(sorted(ev))]
         for source, (strength, j) in ev.items():
             feats.append((source + "@", min(j, 3)))
             if source in RETRIEVED:
@@ -132,6 +144,10 @@ class AutoDrafter(Drafter):
         self.scorer = Scorer(PRIOR)
         self._last: tuple | None = None  # the last step's candidates, labelled by the next observe
         self.labelled = 0
+        # What the scorer learned in earlier runs and other processes: kept beside SSD's store (one
+        # per tokenizer) when that is kept on disk, so a one-off `generate` starts from it too.
+        self.scores_path = self.ssd.path / SCORES_FILE if self.ssd is not None and self.ssd.persist else None
+        self.kept = KeptScores(self.scores_path, self.scorer) if self.scores_path is not None else None
         self.reset()
 
     # -- state ----------------------------------------------------------------------------
@@ -163,6 +179,12 @@ class AutoDrafter(Drafter):
         self._last = None
         if self.ssd is not None:
             self.ssd.end_request()
+        if self.kept is not None:
+            self.kept.request_done()
+
+    def close(self) -> None:
+        if self.kept is not None:
+            self.kept.close()
 
     def stats(self) -> dict:
         return {"labelled_nodes": self.labelled}
@@ -225,6 +247,7 @@ class AutoDrafter(Drafter):
         if budget <= 0 or not history:
             return DraftTree.empty()
         trie = _Trie()
+        trie.root = int(history[-1])
         self._length = min(LENGTH, budget)
         self._followers = min(TABLE_FOLLOWERS, max(4, budget // 4))
         self._own(trie, history)

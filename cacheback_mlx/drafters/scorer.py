@@ -15,10 +15,19 @@ model's token or is not (`Scorer.learn_trie`). So the estimates see no selection
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import threading
+import time
+from pathlib import Path
 from typing import Callable, Hashable, Sequence
 
+log = logging.getLogger(__name__)
+
 Feature = Hashable
+STATE_VERSION = 1  # of Scorer.state()
 
 
 class Scorer:
@@ -29,6 +38,30 @@ class Scorer:
         self.n: dict[Feature, int] = {}
         self.bias, self.bias_n = bias, 0
         self.step, self.floor = step, floor
+
+    # -- kept between runs (auto.py saves it beside SSD's store) ------------------------
+    def state(self, min_uses: int = 2) -> dict:
+        """The learned weights, JSON-ready: features as lists; features used fewer than
+        `min_uses` times are left out (they carry little, and the file stays small)."""
+        n = self.n
+        return {"version": STATE_VERSION, "bias": self.bias, "bias_n": self.bias_n,
+                "w": [[list(f) if isinstance(f, tuple) else f, w, n.get(f, 0)]
+                      for f, w in self.w.items() if n.get(f, 0) >= min_uses or f not in n]}
+
+    def load_state(self, state: dict) -> None:
+        """Weights saved by state(); ValueError (or KeyError / TypeError) when it is not one."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError("not a saved scorer of this version")
+        w, n = {}, {}
+        for f, weight, uses in state["w"]:
+            key = tuple(f) if isinstance(f, list) else f
+            w[key] = float(weight)
+            if uses:
+                n[key] = int(uses)
+        if not all(math.isfinite(v) for v in w.values()) or not math.isfinite(float(state["bias"])):
+            raise ValueError("weights that are not finite numbers")
+        self.w, self.n = w, n
+        self.bias, self.bias_n = float(state["bias"]), int(state["bias_n"])
 
     def logit(self, feats: Sequence[Feature]) -> float:
         w = self.w
@@ -70,3 +103,51 @@ class Scorer:
                 break
             node = nxt
         return labelled
+
+
+class KeptScores:
+    """A scorer's weights kept in a file between runs: read at the start (a missing file: the
+    defaults; a bad one: the defaults and a warning, and the next save replaces it), written
+    after a run's first request, then at most every `every` seconds and at close. A write goes to
+    a temporary file renamed over the old one (readers never see half a file; of two processes
+    the last to write wins), in a thread an exit waits for."""
+
+    def __init__(self, path: str | Path, scorer: Scorer, every: float = 30.0):
+        self.path, self.scorer, self.every = Path(path), scorer, every
+        self._saved_at: float | None = None  # monotonic time of the last save (None: not this run)
+        self._writer: threading.Thread | None = None
+        try:
+            scorer.load_state(json.loads(self.path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("auto: cannot read the learned scores %s (%s); starting from the defaults", self.path, e)
+
+    def request_done(self) -> None:
+        if self._saved_at is None or time.monotonic() - self._saved_at >= self.every:
+            self.save()
+
+    def close(self) -> None:
+        self.save()
+        self._writer.join()
+
+    def save(self) -> None:
+        self._saved_at = time.monotonic()
+        state, path = self.scorer.state(), self.path
+
+        def write():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(state), encoding="utf-8")
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("auto: cannot save the learned scores to %s: %s", path, e)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+
+        if self._writer is not None:
+            self._writer.join()  # one write at a time, in order
+        self._writer = threading.Thread(target=write, name="auto-scores")  # not a daemon: exit waits
+        self._writer.start()
