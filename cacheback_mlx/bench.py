@@ -45,6 +45,7 @@ class Run:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0  # forward passes (the rest of a step: accept, rollback, bookkeeping)
+    turns: list[int] = field(default_factory=list)  # tokens of each turn's reply (tokens holds them all)
 
 
 def column_of(category: str) -> str:
@@ -116,6 +117,7 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
         out = [t for step in eng.generate(ids, max_tokens) for t in step]
         run.seconds += time.perf_counter() - t0
         run.tokens += out
+        run.turns.append(len(out))
         run.passes += eng.stats.passes
         run.accepted += eng.stats.accepted
         run.draft_s += eng.stats.draft_s
@@ -140,6 +142,7 @@ def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int) -> Run:
                 out.append(int(r.token))
         run.seconds += time.perf_counter() - t0
         run.tokens += out
+        run.turns.append(len(out))
         run.passes += len(out)
         run.accepted += len(out)
         messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})

@@ -319,7 +319,7 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_name()}",
             "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
             "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category, "humaneval_prompts": humaneval_prompts,
-            "prompts": sets, "seed": seed}
+            "prompts": sets, "categories": categories, "seed": seed}
     click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
     click.echo(B.format_table(summary))
     if json_out:

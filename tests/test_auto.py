@@ -453,6 +453,36 @@ def test_auto_sweep_refuses_a_missing_or_foreign_cost_file_in_one_line(tmp_path)
         assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error:")
 
 
+def test_auto_sweep_replays_a_bench_run_s_own_streams(tmp_path):
+    """--bench-json: the streams of a bench run's `none` row, each turn encoded as the bench did;
+    a repetitive reply is drafted well; a file that is no bench run is a one-line usage error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cacheback_mlx import bench as B
+    from cacheback_mlx.models import default_model
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "auto_sweep.py"
+    (p,) = B.load_prompts(["spec_bench"], B.DATA, 1, ["translation"], seed=3)
+    reply = [1000 + i % 9 for i in range(90)]
+    meta = {"model": default_model()["name"], "prompts": ["spec_bench"], "per_category": 1,
+            "humaneval_prompts": None, "categories": "translation", "seed": 3, "max_tokens": 128}
+    runs = [{"prompt": p.id, "column": p.column, "drafter": "none", "tokens": reply, "turns": [90]}]
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps({"meta": meta, "runs": runs}))
+    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(run_json), "--budgets", "7", "--drafters", "pld"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| fresh | pld | 7 |")]
+    assert len(rows) == 1 and float(rows[0][6]) > 3.0  # all MAT: the reply repeats a 9-token phrase
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"meta": {}}')
+    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error: --bench-json")
+
+
 # -- the engine with a per-step budget: lossless, and the sizes follow acceptance --------------
 SIZER = Sizer(CostTable({256: {1: 1.0, 8: 1.1, 16: 1.4, 24: 1.8, 32: 2.2, 64: 4.0}}))
 

@@ -11,9 +11,12 @@ cost table) plus drafting time (measured here), next to the fixed budget of 7. W
 (another verify-cost JSON) the sizer decides with --cost but each pass is priced by --truth and
 reported to the sizer with --noise (lognormal sigma) as a measured pass, as the engine reports
 its passes: how a sizer fares when its table is off. With --calibration it prints how often
-auto's nodes were accepted against their scores.
+auto's nodes were accepted against their scores. With --bench-json (a `cacheback-mlx bench --json`
+run on the default model) it replays on that run's own greedy streams instead of the recorded ones:
+the live run's MAT, offline (the bench's rows serve their prompts in order, as "in order" does).
 
     .venv/bin/python tools/auto_sweep.py [--budgets 7,15,63] [--cost FILE [--truth FILE --noise 0.08]] [--calibration]
+        [--bench-json FILE]
 """
 
 import argparse
@@ -55,8 +58,48 @@ def run(make, streams, budget, in_order, sizer=None, clock=None):
         t[0], t[1] = t[0] + r.tokens, t[1] + r.steps
         draft_s, pass_s = draft_s + r.draft_seconds, pass_s + r.pass_seconds
     tok, steps = sum(t[0] for t in totals.values()), sum(t[1] for t in totals.values())
-    return [totals["sb"][0] / totals["sb"][1], totals["he"][0] / totals["he"][1], tok / steps,
+    mat = lambda t: t[0] / t[1] if t[1] else float("nan")  # nan: no stream of that kind
+    return [mat(totals["sb"]), mat(totals["he"]), tok / steps,
             1e6 * draft_s / steps, tok / pass_s if pass_s else 0.0]
+
+
+def bench_streams(ap, path: str) -> list[dict]:
+    """The greedy streams of a `cacheback-mlx bench --json` run on the default model (its `none`
+    row), each turn encoded as the bench encoded it: replayed, they give the live run's MAT."""
+    from pathlib import Path
+
+    from cacheback_mlx import bench as B
+    from cacheback_mlx.api import Session
+
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+        meta, runs = d["meta"], {r["prompt"]: r for r in d["runs"] if r["drafter"] == "none"}
+        sets, per_category = list(meta["prompts"]), int(meta["per_category"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--bench-json {path}: not a bench run with a 'none' row ({type(e).__name__}: {e})")
+    session = Session(None, "none", fixed_budget=True)  # the tokenizer and chat template
+    if meta.get("model") != session.loaded.name:
+        ap.error(f"--bench-json {path}: a run on {meta.get('model')}; only runs on the default model can be replayed")
+    cats = meta.get("categories")
+    streams = []
+    for name in sets:
+        n = meta.get("humaneval_prompts") if name == "humaneval" and meta.get("humaneval_prompts") else per_category
+        for p in B.load_prompts([name], B.DATA, n, cats.split(",") if cats else None, seed=meta.get("seed")):
+            r = runs.get(p.id)
+            if r is None:
+                continue
+            lengths = r.get("turns") or [meta["max_tokens"]] * len(p.turns)  # runs before turns were kept
+            messages, start = [], 0
+            for turn, n_out in zip(p.turns, lengths):
+                messages.append({"role": "user", "content": turn})
+                out = r["tokens"][start : start + n_out]
+                streams.append({"id": p.id, "cat": p.column, "out": out,
+                                "prompt": session.encode(messages if p.chat else turn, chat=p.chat)})
+                messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
+                start += n_out
+    if not streams:
+        ap.error(f"--bench-json {path}: no stream of its 'none' row matches the prompt sets it names")
+    return streams
 
 
 def main():
@@ -70,13 +113,15 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the MAT tables")
     ap.add_argument("--frozen", default=None, help="a frozen table for auto and cacheback (default: the shipped one)")
     ap.add_argument("--drafters", default=",".join(DRAFTERS), help="which rows (comma-separated)")
+    ap.add_argument("--bench-json", default=None,
+                    help="replay on the greedy streams of this `cacheback-mlx bench --json` run (default model)")
     a = ap.parse_args()
     if a.truth and not a.cost:
         ap.error("--truth needs --cost (the table the sizer decides with)")
     cost, truth = (load_cost(ap, f) if f else None for f in (a.cost, a.truth))
     global FROZEN
     FROZEN = a.frozen
-    streams = load_streams()
+    streams = bench_streams(ap, a.bench_json) if a.bench_json else load_streams()
     if a.calibration:
         calibration(streams)
     if a.no_sweep:
