@@ -16,7 +16,7 @@ A table measured once can be wrong about some sizes (a slow spell during the mea
 trees attend differently from the measured chains), so the sizer also learns from the passes it
 sends: the engine reports each pass's seconds (Sizer.timed), and the price of each band of row
 counts is corrected by how much slower or faster than the table it ran, relative to all passes
-(PassTimes; one pass in EXPLORE tries the runner-up size, so there is always a second size to
+over a similar number of cached tokens (PassTimes; one pass in EXPLORE tries the runner-up size, so there is always a second size to
 compare with). A machine that slows down as a whole changes no price; a size the table priced too
 low is sent, found out and priced up. Drafters' scores are calibrated the same way, by what the
 model accepted, counting every candidate offered, sent or not (Calibration, known_outcomes).
@@ -217,15 +217,20 @@ def known_outcomes(tree: DraftTree, continuation: list[int]) -> np.ndarray:
 
 
 class PassTimes:
-    """What passes of each band of row counts really cost, relative to the cost table: per band,
-    the median of (seconds / the table's seconds) over its recent passes, divided by the median
-    over all recent passes, so a machine-wide slowdown cancels out. A band seen a few times is
-    pulled toward the table (PRIOR), and what was seen more than WINDOW passes ago is forgotten (a
-    band once priced up is tried again later). Bands, not single counts: a table's error is about
-    the same for 17 rows as for 19 (one slow spell, one interpolation), and the counts past 16 are
-    each sent too rarely to be learned one by one; 8 and 16, the counts a BLAS tiles, end bands."""
+    """What passes of each band of row counts really cost, relative to the cost table: per band
+    and range of cached tokens, the median of (seconds / the table's seconds) over its recent
+    passes, divided by the median over all recent passes in that range, so a machine-wide slowdown
+    cancels out. A band seen a few times is pulled toward the table (PRIOR), and what was seen more
+    than WINDOW passes ago is forgotten (a band once priced up is tried again later). Bands, not
+    single counts: a table's error is about the same for 17 rows as for 19 (one slow spell, one
+    interpolation), and the counts past 16 are each sent too rarely to be learned one by one; 8
+    and 16, the counts a BLAS tiles, end bands. Ranges of context: past the contexts the table
+    measured, passes of many rows cost relatively more than it says (attention grows with rows x
+    context); learned over long prompts and applied to a short one, that priced 8 rows too high
+    and the sizer sent too few drafts (docs/BENCHMARKS.md §9, stop 32)."""
 
     BANDS = np.array([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192])  # band b: BANDS[b-1] < rows <= BANDS[b]
+    CONTEXTS = np.array([512, 1536, 3072])  # range c: CONTEXTS[c-1] <= cached tokens < CONTEXTS[c]
     WINDOW = 512  # passes an observation counts for
     PRIOR = 3  # observations of a band before they weigh as much as the table
     KEEP = 48  # observations kept per band
@@ -238,19 +243,24 @@ class PassTimes:
     def band(cls, rows: int) -> int:
         return int(np.searchsorted(cls.BANDS, rows, side="left"))
 
-    def add(self, rows: int, ratio: float) -> None:
-        self.n += 1
-        self.seen.setdefault(self.band(rows), collections.deque(maxlen=self.KEEP)).append((self.n, ratio))
+    @classmethod
+    def key(cls, rows: int, context: int) -> tuple[int, int]:
+        """(range of context, band of rows)."""
+        return int(np.searchsorted(cls.CONTEXTS, context, side="right")), cls.band(rows)
 
-    def factors(self) -> dict[int, float]:
-        """band -> the factor on the table's price."""
-        recent = {r: [x for i, x in q if i > self.n - self.WINDOW] for r, q in self.seen.items()}
-        pooled = [x for xs in recent.values() for x in xs]
-        if not pooled:
-            return {}
-        base = float(np.median(pooled))
-        return {r: 1.0 + len(xs) / (len(xs) + self.PRIOR) * (float(np.median(xs)) / base - 1.0)
-                for r, xs in recent.items() if xs}
+    def add(self, rows: int, context: int, ratio: float) -> None:
+        self.n += 1
+        self.seen.setdefault(self.key(rows, context), collections.deque(maxlen=self.KEEP)).append((self.n, ratio))
+
+    def factors(self) -> dict[tuple[int, int], float]:
+        """(range of context, band) -> the factor on the table's price."""
+        recent = {k: [x for i, x in q if i > self.n - self.WINDOW] for k, q in self.seen.items()}
+        pooled: dict[int, list] = {}
+        for (c, _), xs in recent.items():
+            pooled.setdefault(c, []).extend(xs)
+        base = {c: float(np.median(xs)) for c, xs in pooled.items() if xs}
+        return {k: 1.0 + len(xs) / (len(xs) + self.PRIOR) * (float(np.median(xs)) / base[k[0]] - 1.0)
+                for k, xs in recent.items() if xs}
 
 
 class Sizer:
@@ -280,27 +290,28 @@ class Sizer:
         self.times = PassTimes()
         self._chosen = 0
         self._trial: int | None = None
-        self.factors: dict[int, float] = {}  # band of rows (PassTimes.band) -> learned factor on the table's price
+        self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
 
     def timed(self, rows: int, context: int, seconds: float) -> None:
         """A pass of `rows` rows (as run, padding included) over `context` cached tokens took
         `seconds`; every RELEARN passes the prices are corrected from these (PassTimes)."""
         if not self.learn or seconds <= 0:
             return
-        self.times.add(rows, seconds / self.cost.cost(rows, context))
+        self.times.add(rows, context, seconds / self.cost.cost(rows, context))
         if self.times.n % self.RELEARN == 0:
             self.factors = self.times.factors()
             self._plans.clear()
             self._caps.clear()
 
-    def factor(self, rows: int) -> float:
-        """The learned factor on the table's price of a pass run as `rows` rows."""
-        return self.factors.get(PassTimes.band(rows), 1.0)
+    def factor(self, rows: int, context: int = 0) -> float:
+        """The learned factor on the table's price of a pass run as `rows` rows over `context`
+        cached tokens."""
+        return self.factors.get(PassTimes.key(rows, context), 1.0)
 
     def price(self, rows: int, context: int) -> float:
         """The table's seconds for a pass of `rows` rows, corrected by what such passes took."""
         run = padded_size(rows, self.cost.buckets)  # a pass runs as its shape bucket, if any
-        return self.cost.cost(rows, context) * self.factor(run)
+        return self.cost.cost(rows, context) * self.factor(run, context)
 
     def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost, rows, price), all indexed by a pass's own row count r: the seconds it costs as

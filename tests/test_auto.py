@@ -156,6 +156,23 @@ def test_a_cost_table_priced_wrong_is_corrected_from_the_passes_own_times():
     assert learner.price(9, 300) > learner.price(8, 300)
 
 
+def test_prices_learned_over_long_prompts_do_not_carry_to_short_ones():
+    """As in stop 32's bench: over ~2,000 cached tokens, 8-row passes cost 1.3x what the table
+    (measured at shorter contexts) says against one-row steps; over 300 tokens the table is right.
+    Learned over the long prompt first, the short one still gets the table's 8-row price."""
+    table = CostTable({256: {1: 1.0, 2: 1.03, 4: 1.06, 8: 1.1, 16: 1.4}})
+    sizer = Sizer(table)
+    rng = np.random.default_rng(0)
+    for context, skew in ((2000, 1.3), (300, 1.0)):
+        for i in range(240):
+            rows = (1, 8)[i % 2]
+            true = table.cost(rows, context) * (skew if rows > 1 else 1.0)
+            sizer.timed(rows, context, true * rng.uniform(0.97, 1.03))
+    assert sizer.factor(8, 2000) / sizer.factor(1, 2000) > 1.2
+    assert sizer.factor(8, 300) / sizer.factor(1, 300) == pytest.approx(1.0, abs=0.04)
+    assert sizer.price(8, 300) / sizer.price(1, 300) == pytest.approx(1.1, abs=0.05)
+
+
 def test_drafter_scores_are_calibrated_by_what_the_model_accepted():
     """A drafter whose scores promise half of what the model accepts gets its scores corrected,
     and the sizer then sends the drafts it dropped before; a calibrated drafter's stay as they are."""
