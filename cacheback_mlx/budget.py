@@ -16,10 +16,11 @@ A table measured once can be wrong about some sizes (a slow spell during the mea
 trees attend differently from the measured chains), so the sizer also learns from the passes it
 sends: the engine reports each pass's seconds (Sizer.timed), and the price of each band of row
 counts is corrected by how much slower or faster than the table it ran, relative to all passes
-over a similar number of cached tokens (PassTimes; one pass in EXPLORE tries the runner-up size, so there is always a second size to
-compare with). A machine that slows down as a whole changes no price; a size the table priced too
-low is sent, found out and priced up. Drafters' scores are calibrated the same way, by what the
-model accepted, counting every candidate offered, sent or not (Calibration, known_outcomes).
+over a similar number of cached tokens (PassTimes; one pass in EXPLORE tries the runner-up size,
+so there is always a second size to compare with). A machine that slows down as a whole changes
+no price; a size the table priced too low is sent, found out and priced up. Drafters' scores are
+calibrated the same way, by what the model accepted, counting every candidate offered, sent or
+not (Calibration, known_outcomes).
 """
 
 from __future__ import annotations

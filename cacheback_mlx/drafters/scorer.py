@@ -136,7 +136,7 @@ class KeptScores:
         state, path = self.scorer.state(), self.path
 
         def write():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(self)}.tmp")  # one per writer
             try:
                 tmp.write_text(json.dumps(state), encoding="utf-8")
                 os.replace(tmp, path)
