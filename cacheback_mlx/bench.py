@@ -85,6 +85,17 @@ def load_prompts(sets: list[str], data: Path = DATA, per_category: int = 2, cate
     return out
 
 
+def select_prompts(sets: list[str], per_category: int, humaneval_prompts: int | None = None,
+                   categories: list[str] | None = None, seed: int | None = None, data: Path = DATA) -> list[Prompt]:
+    """The prompts of a bench run: `per_category` of each category of each set, HumanEval's count
+    set apart (`bench --humaneval-prompts`). Also how a run's JSON is replayed (tools/auto_sweep.py)."""
+    out: list[Prompt] = []
+    for name in sets:
+        n = humaneval_prompts if name == "humaneval" and humaneval_prompts is not None else per_category
+        out += load_prompts([name], data, n, categories, seed=seed)
+    return out
+
+
 def _read(path: Path) -> str:
     if not path.is_file():
         raise CachebackError(f"benchmark data not found: {path} (use --data DIR)")

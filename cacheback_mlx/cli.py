@@ -307,11 +307,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
                                  budget if fixed else draft_budget)
     sets = [s for s in prompts.split(",") if s]
-    plist = []
-    for name in sets:
-        n = humaneval_prompts if name == "humaneval" and humaneval_prompts is not None else per_category
-        plist += B.load_prompts([name], Path(data) if data else B.DATA, n, categories.split(",") if categories else None,
-                                seed=seed)
+    plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
+                             seed, Path(data) if data else B.DATA)
     if not plist:
         raise CachebackError("no prompts selected")
     runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)

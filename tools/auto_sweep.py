@@ -82,21 +82,20 @@ def bench_streams(ap, path: str) -> list[dict]:
         ap.error(f"--bench-json {path}: a run on {meta.get('model')}; only runs on the default model can be replayed")
     cats = meta.get("categories")
     streams = []
-    for name in sets:
-        n = meta.get("humaneval_prompts") if name == "humaneval" and meta.get("humaneval_prompts") else per_category
-        for p in B.load_prompts([name], B.DATA, n, cats.split(",") if cats else None, seed=meta.get("seed")):
-            r = runs.get(p.id)
-            if r is None:
-                continue
-            lengths = r.get("turns") or [meta["max_tokens"]] * len(p.turns)  # runs before turns were kept
-            messages, start = [], 0
-            for turn, n_out in zip(p.turns, lengths):
-                messages.append({"role": "user", "content": turn})
-                out = r["tokens"][start : start + n_out]
-                streams.append({"id": p.id, "cat": p.column, "out": out,
-                                "prompt": session.encode(messages if p.chat else turn, chat=p.chat)})
-                messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
-                start += n_out
+    for p in B.select_prompts(sets, per_category, meta.get("humaneval_prompts"), cats.split(",") if cats else None,
+                              meta.get("seed")):
+        r = runs.get(p.id)
+        if r is None:
+            continue
+        lengths = r.get("turns") or [meta["max_tokens"]] * len(p.turns)  # runs before turns were kept
+        messages, start = [], 0
+        for turn, n_out in zip(p.turns, lengths):
+            messages.append({"role": "user", "content": turn})
+            out = r["tokens"][start : start + n_out]
+            streams.append({"id": p.id, "cat": p.column, "out": out,
+                            "prompt": session.encode(messages if p.chat else turn, chat=p.chat)})
+            messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
+            start += n_out
     if not streams:
         ap.error(f"--bench-json {path}: no stream of its 'none' row matches the prompt sets it names")
     return streams
