@@ -9,6 +9,7 @@ from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
 from cacheback_mlx.budget import CostTable, Sizer
+from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
@@ -83,13 +84,14 @@ def test_greedy_tokens_equal_mlx_lm(family):
     padded = CostTable({256: {1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5, 8: 1.2, 16: 2.0}})
     for label, d in {"oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
                      "random-2": RandomTreeDrafter(PROMPT, truth, seed=2),
-                     "scored": Scored(RandomTreeDrafter(PROMPT, truth, seed=4))}.items():
+                     "scored": Scored(RandomTreeDrafter(PROMPT, truth, seed=4)),
+                     "auto": AutoDrafter(persist=False)}.items():
         sizer = Sizer(padded)
         sizer.EXPLORE = 2  # every other pass tries the runner-up size (learning prices): still exact
         out, _ = run(model, d, sizer=sizer)
         assert out == truth, (name, "per-step", label)
         assert sizer.times.n > 0 and sizer._chosen >= 2, (name, label)  # passes timed, sizes tried
-        if label == "scored":  # its scores went through the calibration, which learned from them
+        if label in ("scored", "auto"):  # its scores went through the calibration, which learned from them
             assert sizer.calibration.expected.sum() > 0, name
 
 
