@@ -315,6 +315,39 @@ def test_auto_trees_are_scored_best_first_within_budget(tmp_path):
     assert {4, 40} <= {int(tree.tokens[c]) for c in tree.children()[0]}  # "1 2 3" was followed by both
 
 
+def test_auto_retrieves_from_the_shipped_answers_of_the_default_model():
+    """By default auto draws on the shipped datastore of the default model's own answers, for that
+    model's tokenizer only (or unchecked offline); datastore=False leaves it out. A stretch of one
+    of those answers is continued as the answer went on."""
+    from cacheback_mlx.drafters.rest import SEP, SHIPPED, _shipped, shipped_datastore
+
+    index = shipped_datastore()
+    assert index is not None and index.n > 100_000
+    fingerprint = _shipped()[1]
+    assert shipped_datastore(fingerprint) is index and shipped_datastore("0" * 16) is None
+    assert AutoDrafter(persist=False, fingerprint=fingerprint).rest.index is index
+    assert AutoDrafter(persist=False, fingerprint="0" * 16).rest is None
+    assert AutoDrafter(persist=False, datastore=False).rest is None
+
+    tokens = np.load(SHIPPED)["tokens"]
+    ends = np.flatnonzero(tokens == SEP)
+    doc = tokens[ends[10] + 1 : ends[11]].tolist()  # the 12th answer
+    assert len(doc) > 80
+    history, following = doc[40:60], doc[60:63]
+    for datastore, found in ((None, True), (False, False)):
+        d = AutoDrafter(ssd=False, frozen=False, datastore=datastore)
+        d.observe(history)
+        tree = d.propose(history, 7)
+        paths = set()
+        for i in range(len(tree)):
+            path = []
+            while i >= 0:
+                path.insert(0, int(tree.tokens[i]))
+                i = int(tree.parents[i])
+            paths.add(tuple(path))
+        assert (tuple(following) in paths) is found
+
+
 def test_auto_scores_are_calibrated_after_learning():
     """On a noisy repeating stream the scores' sum (expected accepted drafts) tracks what is
     actually accepted, step by step: what the per-step budget relies on."""

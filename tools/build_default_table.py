@@ -1,4 +1,5 @@
-"""Rebuild the shipped default frozen table (cacheback_mlx/data/frozen_smollm2_ll1_fl3.npz).
+"""Rebuild the shipped default frozen table (cacheback_mlx/data/frozen_smollm2_ll1_fl3.npz) and the
+shipped datastore of the default model's own answers (cacheback_mlx/data/self_answers_smollm2.npz).
 
 Corpus, two parts:
 - the CPython standard library sources of the running interpreter (site-packages and test data
@@ -17,6 +18,10 @@ Corpus, two parts:
     follow-up turn in 160 of those chats (`tools/self_corpus.py OUT --qa --prompts 480 --seed 1`).
 Not the benchmark data in ../shared/data, which is the test set. Takes ~30 s on 2 cores.
 
+The datastore holds the self-corpora alone (each answer once, ~0.25M tokens, 0.2 MB compressed):
+`auto` retrieves from it as a REST source (drafters/rest.py, shipped_datastore). With the
+standard library added (3.4M tokens, ~30 MB) it drafted no better (docs/BENCHMARKS.md §9, stop 33).
+
     .venv/bin/python tools/build_default_table.py
 """
 
@@ -26,8 +31,9 @@ from pathlib import Path
 
 import cacheback_mlx  # noqa: F401  (OpenBLAS before mlx)
 from cacheback_mlx.drafters.cacheback import DEFAULT_TABLE
+from cacheback_mlx.drafters.rest import SHIPPED, save_shipped
 from cacheback_mlx.loader import load
-from cacheback_mlx.table_builder import build_table_from_files
+from cacheback_mlx.table_builder import build_table_from_files, encode, file_texts, tokenizer_fingerprint
 
 
 def stdlib_files() -> list[Path]:
@@ -47,9 +53,13 @@ def main() -> None:
     print(f"{len(std)} files from {sysconfig.get_paths()['stdlib']} (Python {sys.version.split()[0]}), "
           + ", ".join(f"{f.name} x {SELF_WEIGHT}" for f in SELF_CORPORA))
     DEFAULT_TABLE.parent.mkdir(parents=True, exist_ok=True)
-    table = build_table_from_files(files, load().tokenizer, DEFAULT_TABLE, ll=1, fl=3, lc=1 << 20, fc=128)
+    tokenizer = load().tokenizer
+    table = build_table_from_files(files, tokenizer, DEFAULT_TABLE, ll=1, fl=3, lc=1 << 20, fc=128)
     print(f"{len(table)} leaders, {len(table.followers)} followers -> {DEFAULT_TABLE} "
           f"({DEFAULT_TABLE.stat().st_size / 1e6:.1f} MB)")
+    answers = (encode(tokenizer, text) for f in SELF_CORPORA for text in file_texts(f))
+    n = save_shipped(answers, SHIPPED, tokenizer_fingerprint(tokenizer))
+    print(f"{n} tokens of the model's own answers -> {SHIPPED} ({SHIPPED.stat().st_size / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

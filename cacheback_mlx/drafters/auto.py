@@ -5,7 +5,9 @@ Sources, each a way to guess what follows the history:
   contexts (up to 8 tokens) seen earlier, as prompt lookup does;
 - ssd: the cross-request buffer of everything served before (SsdDrafter's store and suffix index);
 - dyn / frz: Cacheback's dynamic LRU table and the frozen corpus table (leader -> followers);
-- rest: a REST datastore, when one is given.
+- rest: a REST datastore: one given, or by default the shipped one, the default model's own
+  answers (rest.shipped_datastore; what it tends to say, matched on longer contexts than the
+  frozen table's one-token leaders).
 Their candidates are merged into one trie (a token proposed by several sources is one node that
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
@@ -29,6 +31,7 @@ import numpy as np
 from ..tree import DraftTree
 from .base import Drafter
 from .cacheback import CachebackDrafter
+from .rest import RestDrafter, shipped_datastore
 from .scorer import KeptScores, Scorer
 from .ssd import SsdDrafter
 
@@ -47,7 +50,8 @@ SCORES_FILE = "auto-scores.json"  # the scorer's weights, kept in SSD's store fo
 
 # Starting logits (a fresh drafter has seen no pass yet); learning moves them within a few steps.
 PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("ssd", 1): 0.0,
-         ("ssd", 2): 0.4, ("ssd", 3): 0.8, ("ssd", 4): 1.2, ("dyn", 0): 0.6, ("dyn", 1): 0.0,
+         ("ssd", 2): 0.4, ("ssd", 3): 0.8, ("ssd", 4): 1.2, ("rest", 1): 0.0, ("rest", 2): 0.4,
+         ("rest", 3): 0.8, ("rest", 4): 1.2, ("dyn", 0): 0.6, ("dyn", 1): 0.0,
          ("frz", 0): 0.2, ("agree", 2): 0.5, ("agree", 3): 0.8}
 
 
@@ -128,17 +132,20 @@ class AutoDrafter(Drafter):
 
     def __init__(self, ssd: bool = True, ssd_path: str | Path | None = None, persist: bool = True,
                  frozen: str | Path | bool | None = None, fingerprint: str | None = None,
-                 datastore: str | Path | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000):
+                 datastore: str | Path | bool | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000):
         """ssd=False leaves out the cross-request buffer (ssd_path / persist / ssd_capacity are
         SsdDrafter's path / persist / capacity);
-        frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder."""
+        frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder; None = the
+        shipped one (the default model's own answers) when the tokenizer is the one it was built
+        with; False = none."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
         self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
                               capacity=ssd_capacity) if ssd else None
         self.rest = None
-        if datastore is not None:
-            from .rest import RestDrafter
-
+        if datastore is None:
+            shipped = shipped_datastore(fingerprint)
+            self.rest = RestDrafter(shipped) if shipped is not None else None
+        elif datastore is not False:
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
         self.max_expand = max_expand
         self.scorer = Scorer(PRIOR)

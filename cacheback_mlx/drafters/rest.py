@@ -4,12 +4,17 @@ The datastore is the corpus's token ids with a suffix array, saved as .npy files
 opened with memory mapping. Each step finds the longest suffix of the context (n_max=16 down to 1)
 in it, merges up to `max_count` continuations of length 10 into a trie, and drafts the top-c
 heaviest nodes as a tree.
+
+One small datastore ships with the package (`shipped_datastore`): the default model's own answers
+(tools/self_corpus.py), which `auto` draws from when the model's tokenizer is the one it was built
+with.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -21,6 +26,7 @@ from .base import Drafter
 from .suffix import SEP, SuffixIndex, suffix_array, trie_tree
 
 FORMAT = "cacheback-rest-datastore/2"  # /2: reversed tokens on disk, mapped as they are
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "self_answers_smollm2.npz"
 
 
 def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str = "") -> dict:
@@ -68,6 +74,38 @@ def load_datastore(path: str | Path, fingerprint: str | None = None) -> tuple[Su
     if fingerprint is not None and meta.get("fingerprint") not in ("", fingerprint):
         raise CachebackError(f"REST datastore {path} was built for another tokenizer; rebuild it")
     return SuffixIndex(sa=sa, reversed_tokens=rev), meta
+
+
+def save_shipped(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str) -> int:
+    """The shipped form of a small datastore: its documents' tokens (SEP between them) and the
+    tokenizer's fingerprint, compressed; the suffix array is built when it is loaded (~0.03 s for
+    the 0.25M tokens shipped), so the package carries no index. Returns the tokens written."""
+    parts = [np.append(np.asarray(t, np.int32), np.int32(SEP)) for t in token_streams]
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    np.savez_compressed(out, tokens=tokens, fingerprint=np.array(fingerprint))
+    return int(len(tokens))
+
+
+@lru_cache(maxsize=1)
+def _shipped() -> tuple[SuffixIndex, str] | None:
+    try:
+        with np.load(SHIPPED) as f:
+            tokens, fingerprint = f["tokens"], str(f["fingerprint"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return SuffixIndex(tokens=tokens), fingerprint
+
+
+def shipped_datastore(fingerprint: str | None = None) -> SuffixIndex | None:
+    """The default model's own greedy answers to ~1,900 chat, question and code prompts (none
+    from the benchmark data; tools/self_corpus.py, rebuilt by tools/build_default_table.py), as
+    a REST datastore: what the model tends to say, matched on up to 16 tokens of context, where
+    the frozen table keys its followers on one. Loaded once per process and shared (read-only);
+    None when it is missing or was built for another tokenizer than `fingerprint`'s."""
+    shipped = _shipped()
+    if shipped is None or fingerprint not in (None, shipped[1]):
+        return None
+    return shipped[0]
 
 
 class RestDrafter(Drafter):
