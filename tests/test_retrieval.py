@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.pld import PromptLookupDrafter
-from cacheback_mlx.drafters.rest import RestDrafter, load_datastore, save_datastore
+from cacheback_mlx.drafters.rest import RestDrafter, load_datastore, save_datastore, shipped_datastore
 from cacheback_mlx.drafters.ssd import SsdDrafter
 from cacheback_mlx.drafters.suffix import SEP, SuffixIndex, trie_tree
 from cacheback_mlx.errors import CachebackError
@@ -109,7 +109,8 @@ def test_rest_datastore_round_trip_and_errors(tmp_path):
     with pytest.raises(CachebackError, match="not found"):
         RestDrafter(tmp_path / "missing")
     with pytest.raises(CachebackError, match="build-datastore"):
-        RestDrafter()
+        RestDrafter(fingerprint="another model's")
+    assert RestDrafter().index is shipped_datastore()  # the default model's own answers
     assert isinstance(d.index.rev, np.memmap) and isinstance(d.index.sa, np.memmap)  # mapped, not read
     sa = np.load(tmp_path / "ds" / "suffix_array.npy")
     np.save(tmp_path / "ds" / "suffix_array.npy", sa[:-1])  # truncated

@@ -38,10 +38,11 @@ Lookup = Callable[[tuple], list]
 def default_table() -> FrozenTable:
     """The shipped table, loaded once per process (it is read-only, so drafters share it).
 
-    It is shipped in the package rather than built on first use: 2.1 MB, and building it needs
-    the default model's tokenizer (a model download) and ~20 s of CPU. Its corpus is the CPython
-    3.11 standard library sources (580 files, 11 MB, 3.1M tokens; tools/build_default_table.py
-    rebuilds it byte for byte), never the benchmark streams in ../shared/data (the test set)."""
+    It is shipped in the package rather than built on first use: 2.3 MB, and building it needs
+    the default model's tokenizer (a model download) and ~30 s of CPU. Its corpus is the CPython
+    3.11 standard library sources (580 files, 11 MB, 3.1M tokens) and the default model's own
+    answers (tools/self_corpus.py; tools/build_default_table.py rebuilds it byte for byte), never
+    the benchmark streams in ../shared/data (the test set)."""
     return FrozenTable.load(DEFAULT_TABLE)
 
 

@@ -113,8 +113,12 @@ class RestDrafter(Drafter):
 
     def __init__(self, datastore: str | Path | SuffixIndex | None = None, max_n: int = 16, length: int = 10,
                  top_c: int = 64, max_count: int = 64, fingerprint: str | None = None):
+        """datastore: a folder (`cacheback-mlx build-datastore`) or an index; None = the shipped
+        one of the default model's answers, for that model's tokenizer."""
         if datastore is None:
-            raise CachebackError("the rest drafter needs a datastore: build one with `cacheback-mlx "
+            datastore = shipped_datastore(fingerprint)
+        if datastore is None:
+            raise CachebackError("the rest drafter needs a datastore for this model: build one with `cacheback-mlx "
                                  "build-datastore CORPUS --out DIR`, then pass --drafter-arg datastore=DIR")
         if isinstance(datastore, SuffixIndex):
             self.index, self.meta = datastore, {"tokens": datastore.n}
