@@ -348,6 +348,31 @@ def test_auto_retrieves_from_the_shipped_answers_of_the_default_model():
         assert (tuple(following) in paths) is found
 
 
+@pytest.mark.parametrize("damage", ["missing", "garbage", "truncated", "wrong dtype"])
+def test_a_damaged_shipped_datastore_means_drafting_without_it(tmp_path, monkeypatch, caplog, damage):
+    """A missing (stripped package) or unreadable shipped datastore leaves auto without that
+    source, with a warning when the file is there but unreadable; never an error."""
+    from cacheback_mlx.drafters import rest
+
+    path = tmp_path / "self.npz"
+    if damage == "garbage":
+        path.write_bytes(b"not a zip file at all")
+    elif damage == "truncated":
+        path.write_bytes(rest.SHIPPED.read_bytes()[:5000])
+    elif damage == "wrong dtype":
+        np.savez_compressed(path, tokens=np.zeros(10, np.float32), fingerprint=np.array("x"))
+    monkeypatch.setattr(rest, "SHIPPED", path)
+    rest._shipped.cache_clear()
+    try:
+        assert rest.shipped_datastore() is None
+        assert AutoDrafter(persist=False).rest is None
+        assert ("unreadable" in caplog.text) is (damage != "missing")
+    finally:
+        monkeypatch.undo()
+        rest._shipped.cache_clear()
+    assert rest.shipped_datastore() is not None
+
+
 def test_auto_scores_are_calibrated_after_learning():
     """On a noisy repeating stream the scores' sum (expected accepted drafts) tracks what is
     actually accepted, step by step: what the per-step budget relies on."""

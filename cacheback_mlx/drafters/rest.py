@@ -13,7 +13,10 @@ with.
 from __future__ import annotations
 
 import json
+import logging
 import time
+import zipfile
+import zlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -27,6 +30,8 @@ from .suffix import SEP, SuffixIndex, suffix_array, trie_tree
 
 FORMAT = "cacheback-rest-datastore/2"  # /2: reversed tokens on disk, mapped as they are
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "self_answers_smollm2.npz"
+
+log = logging.getLogger(__name__)
 
 
 def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str = "") -> dict:
@@ -88,10 +93,15 @@ def save_shipped(token_streams: Iterable[Sequence[int]], out: str | Path, finger
 
 @lru_cache(maxsize=1)
 def _shipped() -> tuple[SuffixIndex, str] | None:
+    if not SHIPPED.is_file():
+        return None
     try:
         with np.load(SHIPPED) as f:
             tokens, fingerprint = f["tokens"], str(f["fingerprint"])
-    except (OSError, ValueError, KeyError):
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise ValueError(f"tokens of type {tokens.dtype}, {tokens.ndim} dimensions")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        log.warning("the shipped datastore %s is unreadable (%s: %s); drafting without it", SHIPPED, type(e).__name__, e)
         return None
     return SuffixIndex(tokens=tokens), fingerprint
 
