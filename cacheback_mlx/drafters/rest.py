@@ -34,14 +34,16 @@ SHIPPED = Path(__file__).resolve().parents[1] / "data" / "self_answers_smollm2.n
 log = logging.getLogger(__name__)
 
 
+def concatenate(token_streams: Iterable[Sequence[int]]) -> np.ndarray:
+    """Documents as one int32 sequence, each followed by SEP (no continuation crosses one)."""
+    parts = [np.append(np.asarray(t, np.int32), np.int32(SEP)) for t in token_streams]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
 def save_datastore(token_streams: Iterable[Sequence[int]], out: str | Path, fingerprint: str = "") -> dict:
     """Concatenate documents (separated by SEP), build the suffix array, write out/ (atomically)."""
     out = Path(out)
-    parts = []
-    for tokens in token_streams:
-        parts.append(np.asarray(tokens, np.int32))
-        parts.append(np.array([SEP], np.int32))
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    tokens = concatenate(token_streams)
     if not len(tokens):
         raise CachebackError("the corpus produced no tokens")
     t0 = time.perf_counter()
@@ -85,8 +87,7 @@ def save_shipped(token_streams: Iterable[Sequence[int]], out: str | Path, finger
     """The shipped form of a small datastore: its documents' tokens (SEP between them) and the
     tokenizer's fingerprint, compressed; the suffix array is built when it is loaded (~0.03 s for
     the 0.25M tokens shipped), so the package carries no index. Returns the tokens written."""
-    parts = [np.append(np.asarray(t, np.int32), np.int32(SEP)) for t in token_streams]
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    tokens = concatenate(token_streams)
     np.savez_compressed(out, tokens=tokens, fingerprint=np.array(fingerprint))
     return int(len(tokens))
 
