@@ -74,6 +74,7 @@ class InfillBuilder:
     context_length: int
     batch: int = 2048
     stable_prefix: bool = True  # False: always the last lines that fit (to measure what it brings)
+    extra_budget: int | None = None  # prefix-only layout: at most this many tokens of extra chunks
     anchor: list[str] = field(default_factory=list)  # first lines of the last prompt's prefix
     last: tuple[str, str, str] | None = None  # the last request's prefix, suffix and cursor line
 
@@ -110,6 +111,10 @@ class InfillBuilder:
         left = room - specials - prompt_n - suffix_n - sum(costs[start:])
         chunks = [c for c in extra if str(c.get("text") or "")]
         costs_e = [self.count(chunk_text(fim, c)) for c in chunks]
+        if not use_fim and self.extra_budget is not None:
+            # the oldest chunks that fit: the prompt's start stays put while new chunks come in
+            take = fit_from_start(costs_e, min(left, self.extra_budget))
+            chunks, costs_e = chunks[:take], costs_e[:take]
         first = len(chunks) - fit_from_start(costs_e[::-1], left)
 
         # prefix-only on an empty cursor line: end the prompt before the last newline, which the

@@ -135,6 +135,37 @@ def test_llama_vim_ring_warmup_then_fim_reuses_it(client):
     assert out["timings"]["cache_n"] >= len(chunk["text"])
 
 
+def vim_follow_up(first: dict, hint: list[str]) -> dict:
+    """llama.vim's speculative follow-up once a hint is shown (llama#fim with a:prev = the hint's
+    lines): the context as if the hint were accepted (s:fim_ctx_local), t_max_predict_ms 1000."""
+    line_cur = first["prompt"] + hint[0]
+    if len(hint) == 1:
+        prefix, middle = first["input_prefix"], line_cur
+    else:
+        prefix, middle = first["input_prefix"] + "\n".join([line_cur] + hint[1:-1]) + "\n", hint[-1]
+    suffix = "\n" + first["input_suffix"].split("\n", 1)[1]  # the rest of the cursor line is gone
+    return first | {"input_prefix": prefix, "prompt": middle, "input_suffix": suffix, "t_max_predict_ms": 1000}
+
+
+def test_llama_vim_speculative_follow_up_reuses_the_first_request(client):
+    c, fim = client
+    first = vim_fim([vim_chunk("def sub(a, b):\n    return a - b\n")], response_fields=False)
+    first |= {"t_max_predict_ms": 250, "n_predict": 16}  # llama.vim: a quick first request
+    r = c.post("/infill", json=first)
+    assert r.status_code == 200, r.text
+    hint = ["a + b", "", "def mul(a, b):", "    return a * b"]  # as if the reply had been these lines
+    follow = vim_follow_up(first, hint) | {"n_predict": 16}
+    r = c.post("/infill", json=follow)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["fim"] is fim and isinstance(out["content"], str)
+    # everything before the cursor line (the chunk and the prefix, one token per byte here) comes
+    # from the first request's cache; only the hint's lines are new
+    assert out["timings"]["cache_n"] >= len(first["input_prefix"]) + len(first["input_extra"][0]["text"])
+    new = follow["input_prefix"][len(first["input_prefix"]):] + follow["input_suffix"] + follow["prompt"]
+    assert out["timings"]["prompt_n"] <= len(new) + 8
+
+
 def test_llama_vim_instruct_warmup(paths):
     with TestClient(create_app(Session(paths["wide"], "ngram"))) as c:
         r = c.post("/v1/chat/completions", json=vim_inst_warmup(VIM_PREAMBLE, ["x = 1"]))

@@ -303,6 +303,28 @@ def test_infill_builder_keeps_the_prefix_start_while_the_window_slides(default_m
     assert sum(s < 0.5 for s in shared) <= len(shared) // 4  # a new start now and then
 
 
+def test_prefix_only_extra_budget_keeps_the_oldest_chunks_that_fit(default_model):
+    """extra_budget (prefix-only layout): at most that many tokens of extra chunks, the oldest
+    first, so new chunks entering the editor's ring leave the prompt's start (and its cached KV) as
+    it was; FIM prompts keep llama.cpp's fill; no budget: every chunk that fits, as before."""
+    tok = default_model.tokenizer
+    chunk = lambda i: {"text": "".join(f"def helper_{i}_{j}(x):\n    return x * {j}\n" for j in range(8)),
+                       "filename": f"m{i}.py"}
+    ring = [chunk(i) for i in range(6)]
+    size = len(tok.encode(ring[0]["text"], add_special_tokens=False))
+    prefix, suffix = "def main():\n    total = 0\n", "\n    return total\n"
+    capped = InfillBuilder(tok, None, 8192, extra_budget=int(2.5 * size))
+    prompts = [tok.decode(capped.build(prefix, suffix, ring[:n], "", 32).ids) for n in range(1, 7)]
+    assert "helper_1_0" in prompts[-1] and "helper_2_0" not in prompts[-1]  # two chunks fit, the oldest
+    assert all(p == prompts[1] for p in prompts[2:])  # later chunks change nothing
+    assert not capped.build(prefix, suffix, ring, "", 32).truncated  # a choice, not a full context
+    whole = tok.decode(InfillBuilder(tok, None, 8192).build(prefix, suffix, ring, "", 32).ids)
+    assert all(f"helper_{i}_0" in whole for i in range(6))
+    fim = {"prefix": "<PRE>", "suffix": "<SUF>", "middle": "<MID>"}
+    fim_whole = tok.decode(InfillBuilder(tok, fim, 8192, extra_budget=size).build(prefix, suffix, ring, "", 32).ids)
+    assert all(f"helper_{i}_0" in fim_whole for i in range(6))
+
+
 def test_prefix_only_rules_end_the_block_and_stop_before_the_suffix():
     r = CompletionRules(block=True, cursor_line="    total = ", suffix="\n    return total\n")
     assert r.cut("a + b\n") is None  # the block goes on until a blank line, a dedent or the suffix

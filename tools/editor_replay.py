@@ -15,16 +15,20 @@ Bodies are llama.vim's (ggml-org/llama.vim a1c8e6e: s:fim_ctx_local, llama#fim):
 above the cursor, the cursor line split at the cursor, the next 64 lines, the ring buffer of extra
 chunks, its sampling fields and `response_fields`, to which this tool ADDS timings/cache_n,
 timings/passes, timings/mat, timings/draft_n, timings/draft_n_accepted and tokens_evaluated
-(llama.cpp ignores paths it lacks). t_max_predict_ms is 250 for a block's first request, 1000 after
-(llama.vim sends 1000 only in its speculative follow-ups, not replayed here). The ring buffer is
-modelled simply and deterministically: when the cursor has moved more than 32 lines since the last
-pick (a block's first request), one chunk of up to 32 lines is queued from [cursor-1024,
+(llama.cpp ignores paths it lacks). As llama.vim does, a completion asks for t_max_predict_ms 250 and,
+once its hint is shown, a speculative follow-up is sent: the same position as if the hint had been
+accepted (a:prev = the hint's lines, s:fim_render's rules for what is shown), t_max_predict_ms 1000.
+The user types meanwhile, so follow-ups are counted and timed apart from completions; the next
+completion is at the lines really typed, not the hint. `--no-follow-ups` replays the protocol of the
+runs before 2026-11-25 (no follow-ups; 250 ms for a block's first request, 1000 after). The ring
+buffer is modelled simply and deterministically: when the cursor has moved more than 32 lines since
+the last pick (a block's first request), one chunk of up to 32 lines is queued from [cursor-1024,
 cursor-256] and one from [cursor+64, cursor+128] (s:pick_chunk, seeded instead of random; exact
 duplicates skipped); between two requests one queued chunk enters the ring (16 at most, oldest out)
 and llama.vim's warm-up request (n_predict 0) is sent for it (s:ring_update). Warm-ups are counted
 and timed apart from completions. Not modelled: the eviction of ring chunks similar to the cursor's
-surroundings (s:chunk_sim > 0.5 in llama#fim), speculative follow-up requests, the editor's
-completion cache and typing pauses.
+surroundings (s:chunk_sim > 0.5 in llama#fim), the editor's completion cache (a hint typed as shown
+comes from it) and typing pauses.
 
 Per completion: prompt tokens (tokens_evaluated, else prompt_n + timings/cache_n), prefilled
 (prompt_n), reused = timings/cache_n / prompt tokens (llama.cpp's tokens_cached is NOT the reused
@@ -112,14 +116,39 @@ class Ring:
                 for c in self.chunks]
 
 
-def fim_body(doc: list[str], y: int, extra: list[dict], first: bool) -> dict:
-    """llama#fim's body for the cursor at the start of the empty line doc[y] (0-based)."""
-    return {"id_slot": 0, "input_prefix": "\n".join(doc[max(0, y - N_PREFIX):y]) + "\n",
+def fim_body(doc: list[str], y: int, extra: list[dict], t_max_predict_ms: int, prev: list[str] | None = None) -> dict:
+    """llama#fim's body for the cursor at the start of the empty line doc[y] (0-based); with `prev`
+    (the lines of the hint shown there), its speculative follow-up: the context as if the hint had
+    been accepted (s:fim_ctx_local with a:prev)."""
+    lines, middle = doc[max(0, y - N_PREFIX):y], ""
+    if prev:
+        lines = doc[max(0, y - N_PREFIX + len(prev) - 1):y] + ([prev[0]] + prev[1:-1] if len(prev) > 1 else [])
+        middle = prev[-1]
+    return {"id_slot": 0, "input_prefix": "\n".join(lines) + "\n",
             "input_suffix": "" + "\n" + "\n".join(doc[y + 1:y + 1 + N_SUFFIX]) + "\n",
-            "input_extra": extra, "prompt": "", "n_predict": 128, "stop": [], "n_indent": 0,
+            "input_extra": extra, "prompt": middle, "n_predict": 128, "stop": [], "n_indent": 0,
             "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": False,
-            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 250 if first else 1000,
+            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": t_max_predict_ms,
             "response_fields": VIM_FIELDS + OUR_FIELDS}
+
+
+def hint_lines(content: str, doc: list[str], y: int) -> list[str]:
+    """The lines llama.vim shows for a reply at the empty line doc[y] (s:fim_render's rules: trailing
+    empty lines dropped; nothing shown when the reply only repeats the lines below the cursor)."""
+    lines = content.split("\n")
+    while lines and lines[-1] == "":
+        lines.pop()
+    if not lines or lines == [""] or (lines[0] == "" and lines[1:] == doc[y + 1:y + len(lines)]):
+        return []
+    cmp = y + 1
+    while cmp < len(doc) - 1 and not doc[cmp].strip():
+        cmp += 1
+    if cmp < len(doc) and lines[0] == doc[cmp]:
+        n = len(lines)
+        if (n == 1 or (n == 2 and doc[cmp + 1:cmp + 2] and lines[1] == doc[cmp + 1][:len(lines[1])])
+                or (n > 2 and lines[1:] == doc[cmp + 1:cmp + n])):
+            return []
+    return [] if "".join(lines).strip() == "" else lines
 
 
 def warm_body(extra: list[dict]) -> dict:
@@ -139,8 +168,10 @@ def plan(lines: list[str], filename: str, args) -> list[tuple[str, dict, dict | 
                 events.append(("warm", warm_body(ring.extra()), None))
             doc, y = before + block[:typed] + [""] + after, s + typed
             extra = [] if args.no_extra else ring.extra()
-            events.append(("fim", fim_body(doc, y, extra, typed == 0),
-                           {"block": b + 1, "typed": typed, "line": y + 1, "first": typed == 0}))
+            t_max = 250 if typed == 0 or getattr(args, "follow_ups", False) else 1000
+            events.append(("fim", fim_body(doc, y, extra, t_max),
+                           {"block": b + 1, "typed": typed, "line": y + 1, "first": typed == 0, "doc": doc, "y": y,
+                            "truth": block[typed]}))
             n += 1
             if not args.no_extra and abs(y - pos_pick) > PICK_MOVE:  # vim lines are 1-based: y + 1
                 last = len(doc)
@@ -166,6 +197,7 @@ def run_state(events, session, keep: bool, args) -> dict:
     native = "keep_drafter" in inspect.signature(create_app).parameters
     opts = {"max_body": args.max_body} | ({} if keep or not native else {"keep_drafter": False})
     opts |= {"stable_prefix": False} if args.sliding_prefix else {}
+    opts |= {"infill_extra": args.infill_extra} if getattr(args, "infill_extra", None) is not None else {}
     engine = session.engine
 
     def fresh():  # emulates keep_drafter=False on a server without it
@@ -176,25 +208,31 @@ def run_state(events, session, keep: bool, args) -> dict:
             engine.history = []
 
     encode = lambda t: len(session.tokenizer.encode(t, add_special_tokens=False))
-    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "failures": [], "native": native}
+    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "follow": [], "failures": [], "native": native}
     with TestClient(create_app(session, **opts), raise_server_exceptions=False) as client:
-        for kind, body, where in events:
+
+        def post(kind: str, body: dict) -> tuple[dict | None, float]:
             if not keep and not native:
                 fresh()
             t0 = time.perf_counter()
             r = client.post("/infill", json=body)
             ms = 1e3 * (time.perf_counter() - t0)
-            if r.status_code != 200:
-                try:
-                    msg = r.json().get("error", {}).get("message") or r.text
-                except ValueError:
-                    msg = r.text
-                out["failures"].append(f"{kind} {r.status_code}: {str(msg)[:160]}")
+            if r.status_code == 200:
+                return r.json(), ms
+            try:
+                msg = r.json().get("error", {}).get("message") or r.text
+            except ValueError:
+                msg = r.text
+            out["failures"].append(f"{kind} {r.status_code}: {str(msg)[:160]}")
+            return None, ms
+
+        for kind, body, where in events:
+            resp, ms = post(kind, body)
+            if resp is None:
                 continue
             if kind == "warm":
                 out["warm_n"], out["warm_ms"] = out["warm_n"] + 1, out["warm_ms"] + ms
                 continue
-            resp = r.json()
             num = lambda p: field(resp, p) or 0
             prompt_n, predicted, pred_ms = num("timings/prompt_n"), num("timings/predicted_n"), num("timings/predicted_ms")
             cached, total = field(resp, "timings/cache_n"), field(resp, "tokens_evaluated")
@@ -207,10 +245,21 @@ def run_state(events, session, keep: bool, args) -> dict:
             if nl >= 0 and predicted:
                 share = min(1.0, encode(content[:nl + 1]) / predicted)
                 first_line = ms - pred_ms * (1 - share)
-            out["rows"].append(where | {"prompt": total, "prefilled": prompt_n, "cached": cached,
-                                        "reused": 100 * cached / total if total else 0.0, "ms": ms,
-                                        "first_line": first_line, "predicted": predicted,
-                                        "passes": num("timings/passes"), "chars": len(content)})
+            doc, y = where["doc"], where["y"]
+            # the hint's first line is the line the user then typed (None: a blank line was typed next)
+            right = content.split("\n", 1)[0].rstrip() == where["truth"].rstrip() if where["truth"].strip() else None
+            out["rows"].append({k: v for k, v in where.items() if k not in ("doc", "y", "truth")}
+                               | {"right": right, "prompt": total, "prefilled": prompt_n, "cached": cached,
+                                  "reused": 100 * cached / total if total else 0.0, "ms": ms,
+                                  "first_line": first_line, "predicted": predicted,
+                                  "passes": num("timings/passes"), "chars": len(content)})
+            hint = hint_lines(content, doc, y) if getattr(args, "follow_ups", False) else []
+            if hint:  # llama.vim's speculative follow-up, sent once the hint is shown (the user types meanwhile)
+                resp, ms = post("follow-up", fim_body(doc, y, body["input_extra"], 1000, hint))
+                out["rows"][-1]["followed"] = True
+                if resp is not None:
+                    out["follow"].append({"ms": ms, "predicted": field(resp, "timings/predicted_n") or 0,
+                                          "passes": field(resp, "timings/passes") or 0})
     return out
 
 
@@ -221,6 +270,12 @@ def med(xs):
 def tpp(rows) -> float:
     passes = sum(r["passes"] for r in rows)
     return sum(r["predicted"] for r in rows) / passes if passes else float("nan")
+
+
+def right_pct(rows) -> float:
+    """Share of replies whose first line is the line typed next (blank lines typed next left out)."""
+    known = [r["right"] for r in rows if r["right"] is not None]
+    return 100 * sum(known) / len(known) if known else float("nan")
 
 
 def thirds(rows):
@@ -254,6 +309,7 @@ def header(args, path: Path, session) -> None:
         where = f"{where} (click {metadata.version('click')})"
     print(f"- file: {where} ({args.blocks} blocks of {args.block_lines} lines, a request every {args.every} lines, "
           f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'on'}, "
+          f"follow-ups {'on' if args.follow_ups else 'off'}, "
           f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
 
@@ -270,6 +326,10 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")
     ap.add_argument("--state", choices=["kept", "fresh", "both"], default="both")
     ap.add_argument("--no-extra", action="store_true", help="no ring-buffer chunks (input_extra empty, no warm-ups)")
+    ap.add_argument("--infill-extra", type=int, default=None,
+                    help="server option infill_extra: tokens of extra chunks in the prefix-only layout")
+    ap.add_argument("--no-follow-ups", dest="follow_ups", action="store_false",
+                    help="no speculative follow-ups (the protocol of the runs before 2026-11-25)")
     ap.add_argument("--max-body", type=int, default=64 << 20)
     ap.add_argument("--sliding-prefix", action="store_true",
                     help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
@@ -297,25 +357,29 @@ def main(argv=None) -> None:
         results[state] = run_state(events, session, state == "kept", args)
         del session
 
-    cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass"]
+    cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass",
+            "first line right %"]
     summary = []
     for state, res in results.items():
         if args.verbose:
             print(f"### Requests, drafter {state}\n")
             table(["block", "line typed", "prompt tok", "prefilled", "reused %", "latency ms", "first line ms",
-                   "predicted", "passes", "tok/pass"],
+                   "predicted", "passes", "tok/pass", "right"],
                   [[r["block"], f"{r['line']} ({r['typed']}/{args.block_lines})", r["prompt"], r["prefilled"],
-                    r["reused"], r["ms"], r["first_line"], r["predicted"], r["passes"], tpp([r])] for r in res["rows"]])
+                    r["reused"], r["ms"], r["first_line"], r["predicted"], r["passes"], tpp([r]),
+                    {True: "yes", False: "no", None: "-"}[r["right"]]] for r in res["rows"]])
         for name, part in zip(("first", "middle", "last"), thirds(res["rows"])):
             summary.append([state, name, len(part), med([r["prompt"] for r in part]),
                             med([r["reused"] for r in part if not r["first"]]), med([r["ms"] for r in part]),
-                            med([r["first_line"] for r in part]), tpp(part)])
+                            med([r["first_line"] for r in part]), tpp(part), right_pct(part)])
     print("### By third of the session\n")
     print("reused %: requests after a block's first; tok/pass: tokens predicted per verify pass\n")
     table(cols, summary)
     for state, res in results.items():
         how = "server option keep_drafter=False" if res["native"] else "drafter reset by this tool"
+        fol = res["follow"]
         print(f"- {state}: {len(res['rows'])} completions, {res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
+              f"{len(fol)} follow-ups in {sum(f['ms'] for f in fol):.0f} ms ({tpp(fol):.2f} tok/pass), "
               f"{len(res['failures'])} failed" + (f" (fresh: {how})" if state == "fresh" else ""))
         for f in sorted(set(res["failures"]))[:5]:
             print(f"  - {f} (x{res['failures'].count(f)})")
@@ -334,6 +398,7 @@ def main(argv=None) -> None:
     print(f"- median tokens reused after a block's first request: {show(reused, '.1f')}% (target >= 80%){check(reused >= 80 if reused == reused else None)}")
     print(f"- learning across requests, tok/pass in the last third, kept vs fresh: {gain} (target >= +15%){check(ok)}")
     print(f"- median time to the first completed line (estimate): {show(first_line, '.0f')} ms (target < 1000 ms){check(first_line < 1000 if first_line == first_line else None)}")
+    print(f"- the hint's first line is the line typed next: {show(right_pct(head['rows']), '.0f')}% of replies")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,15 @@ from .core import BodyGuard, Context, Generator, error
 
 
 def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20, strict_infill: bool = False,
-               keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True) -> FastAPI:
+               keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True,
+               infill_extra: int | None = None) -> FastAPI:
     """batch bounds /infill prompts the way llama.cpp's batch size does (prefix 3/4, suffix 1/4).
     To measure what they bring: keep_drafter=False gives every request a fresh drafter,
     stable_prefix=False cuts /infill prefixes at their last lines that fit (fim.py)."""
     loaded = session.loaded
     ctx = Context(session, Generator(session, keep_drafter),
-                  InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix), strict_infill)
+                  InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix, infill_extra),
+                  strict_infill)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
