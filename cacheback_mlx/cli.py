@@ -193,17 +193,22 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
                    "(default: complete from the prefix, reported as \"fim\": false).")
 @click.option("--batch-size", "-b", default=2048, show_default=True,
               help="Bounds /infill prompts as llama.cpp's batch size does: prefix <= 3/4, suffix <= 1/4 of it.")
+@click.option("--infill-extra", default=0, show_default=True, type=click.IntRange(min=-1),
+              help="Tokens of an editor's extra context chunks in a prefix-only /infill prompt (models "
+                   "without FIM tokens), the oldest that fit; -1: all that fit. Chunks left out are still "
+                   "drafted from. FIM prompts always take all that fit, as llama.cpp does.")
 @distributed_option
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size, distributed):
+          batch_size, infill_extra, distributed):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
     from .server import serve as run_server
 
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
-    run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size)
+    run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size,
+               infill_extra=None if infill_extra < 0 else infill_extra)
 
 
 @main.command("build-table")

@@ -32,6 +32,7 @@ from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LEAD_TAIL = 48  # at most this many uncached prompt tokens go through the first pass (Engine._start)
+LEARNED_MAX = 256  # context segments remembered as learned (start_request)
 REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
 
 
@@ -107,6 +108,40 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
         want = picks[nxt + 1]
 
 
+def segments(context) -> list[list[int]]:
+    """Text beside a prompt as segments: a flat list of ids is one; a list of lists is several."""
+    if not context:
+        return []
+    if not hasattr(context[0], "__len__"):
+        return [[int(t) for t in context]]
+    return [[int(t) for t in seg] for seg in context if len(seg)]
+
+
+def start_request(drafter: Drafter, history: Sequence[int], prompt: Sequence[int], context=(),
+                  learned: set | None = None) -> list[int]:
+    """What the drafter learns as a request starts (the engine's rule; tools/editor_mat.py replays
+    it): `context`, text beside the prompt, one segment or several (an editor's other chunks, then
+    the code below the cursor): every segment but the last is learned once per drafter (`learned`
+    holds what it has), the last every time, so it is among the most recent; after an edited prompt
+    (not a continuation of `history`, the sequence it saw last) the REFRESH tokens before the edit
+    again, for the same reason; then the prompt's new tokens. Returns the new history (the prompt)."""
+    parts = segments(context)
+    for i, seg in enumerate(parts):
+        key = hash(tuple(seg))
+        if learned is not None and i < len(parts) - 1:
+            if key in learned:
+                continue
+            if len(learned) >= LEARNED_MAX:  # long gone from the drafter's tables: learn them again
+                learned.clear()
+            learned.add(key)
+        drafter.learn(seg)
+    seen = common_prefix(history, prompt)
+    if seen < len(history):
+        drafter.learn(prompt[max(0, seen - REFRESH):seen])
+    drafter.observe(prompt[seen:])
+    return list(prompt)
+
+
 def model_vocab_size(model) -> int:
     """Rows of the model's token embedding (ids past it would read outside the table)."""
     args = getattr(model, "args", None)
@@ -151,6 +186,7 @@ class Engine:
         self.cached: list[int] = []  # tokens whose effect is in the caches
         self.lead: list[int] = []  # accepted tokens not yet in the caches; lead[-1] is the root
         self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
+        self.learned: set = set()  # context segments the drafter has learned (start_request)
         self.stats = Stats()
 
     def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
@@ -171,13 +207,13 @@ class Engine:
         """Switch drafters; the new one learns the current sequence so it can draft at once."""
         if drafter is not self.drafter:
             self.drafter.close()
-        self.drafter = drafter
+        self.drafter, self.learned = drafter, set()
         drafter.observe(self.history)
 
     def reset_drafter(self, drafter: Drafter | None = None) -> None:
         """A fresh drafter state (or `drafter`, a new one, in place of the current); the caches
         stay. The drafter relearns the next prompt whole."""
-        self.history = []
+        self.history, self.learned = [], set()
         if drafter is None:
             self.drafter.reset()
         else:
@@ -186,15 +222,15 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""
         self._trim(0)
-        self.cached, self.history, self.lead = [], [], []
+        self.cached, self.history, self.lead, self.learned = [], [], [], set()
         self.drafter.reset()
 
-    def _start(self, prompt: list[int], context: Sequence[int] = (), tail: int = 1) -> None:
+    def _start(self, prompt: list[int], context=(), tail: int = 1) -> None:
         """Prefill what the cache lacks of the prompt but its last `tail` tokens (at least one),
         which lead the first pass (prompt[-1] is its root): a short uncached tail, a new chat
         turn or the text typed since an editor's last request, then shares a pass with the first
         drafts instead of taking a prefill pass of its own.
-        `context`: text beside the prompt for the drafter to learn (Drafter.learn)."""
+        `context`: text beside the prompt for the drafter to learn (start_request)."""
         t0 = time.perf_counter()
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.cached, prompt[:-1]))
@@ -205,13 +241,7 @@ class Engine:
         self.stats.prefill_tokens = len(prompt) - 1 - keep
         self.stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if context:
-            self.drafter.learn(context)
-        seen = common_prefix(self.history, prompt)
-        if seen < len(self.history):  # an edited prompt, not a continuation: the text just before
-            self.drafter.learn(prompt[max(0, seen - REFRESH):seen])  # the edit becomes the most recent
-        self.drafter.observe(prompt[seen:])
-        self.history = list(prompt)
+        self.history = start_request(self.drafter, self.history, prompt, context, self.learned)
         self.stats.draft_s += time.perf_counter() - t0
 
     # The cache operations. With peers (a model sharded over processes) each is announced to the
@@ -258,7 +288,7 @@ class Engine:
                                  f"{self.context_length} tokens")
         return prompt
 
-    def prefill_only(self, prompt: Sequence[int], context: Sequence[int] = ()) -> None:
+    def prefill_only(self, prompt: Sequence[int], context=()) -> None:
         """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
         the next request that starts with this prompt only prefills what follows it."""
         prompt = self.check(prompt, 0)
@@ -266,9 +296,10 @@ class Engine:
         self._start(prompt, context)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 context: Sequence[int] = ()) -> Iterator[list[int]]:
+                 context=()) -> Iterator[list[int]]:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
-        `context`: text beside the prompt the drafter may draft from (an editor's suffix)."""
+        `context`: ids beside the prompt the drafter may draft from, one list or several (an
+        editor's chunks and the code below the cursor; start_request)."""
         prompt = self.check(prompt, max_tokens)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")

@@ -62,7 +62,7 @@ class InfillPrompt:
     fim: bool  # False: the prefix-only layout
     truncated: bool  # some of the text sent is not in the prompt
     rules: "CompletionRules"
-    context: list[int]  # prefix-only: the suffix's tokens, for the drafter to draft from
+    context: list[list[int]]  # prefix-only: the chunks left out, then the suffix, for the drafter (engine.start_request)
 
 
 @dataclass
@@ -74,13 +74,18 @@ class InfillBuilder:
     context_length: int
     batch: int = 2048
     stable_prefix: bool = True  # False: always the last lines that fit (to measure what it brings)
-    extra_budget: int | None = None  # prefix-only layout: at most this many tokens of extra chunks
+    # prefix-only layout: at most this many tokens of extra chunks, the oldest that fit (None: all
+    # that fit, as FIM prompts always take). Glued before the prefix with no file markers, they made
+    # the default model's completions no better and twice as slow (docs/BENCHMARKS.md §8), so none
+    # by default; they are still given to the drafter to draft from.
+    extra_budget: int | None = 0
     anchor: list[str] = field(default_factory=list)  # first lines of the last prompt's prefix
     last: tuple[str, str, str] | None = None  # the last request's prefix, suffix and cursor line
 
     def __post_init__(self):
         encode = self.tokenizer.encode
         self.count = lru_cache(maxsize=1 << 16)(lambda text: len(encode(text, add_special_tokens=False)))
+        self.ids = lru_cache(maxsize=256)(lambda text: list(encode(text, add_special_tokens=False)))
 
     def build(self, prefix: str, suffix: str, extra: list[dict], prompt: str, n_predict: int,
               prefix_only: bool = False) -> InfillPrompt:
@@ -136,8 +141,11 @@ class InfillBuilder:
         self.anchor = lines[start:start + ANCHOR_LINES]
         truncated = start > 0 or first > 0 or (use_fim and keep_s < len(suffix_lines))
         rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix, heal=heal)
-        context = [] if use_fim else self.tokenizer.encode(suffix, add_special_tokens=False)[: self.batch // 4]
-        return InfillPrompt(ids, use_fim, truncated, rules, list(context))
+        context = []
+        if not use_fim:  # the drafter drafts from the chunks left out and the code below the cursor
+            left_out = [c for c in extra if str(c.get("text") or "") and c not in chunks[first:]]
+            context = [self.ids(chunk_text(None, c)) for c in left_out] + [self.ids(suffix)[: self.batch // 4]]
+        return InfillPrompt(ids, use_fim, truncated, rules, context)
 
     def _start(self, lines: list[str], costs: list[int], budget: int) -> int:
         """First prefix line to use: the last prompt's start line while the prefix from there fits."""

@@ -55,10 +55,17 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
     clock(rows, context) -> seconds: what a pass "really" costs; each pass is priced by it and
     reported to the sizer as the engine reports a measured pass (default: the sizer's own price,
     nothing reported)."""
-    history = list(prompt)
     t0 = time.perf_counter()
-    drafter.observe(history)
-    draft_s = time.perf_counter() - t0
+    drafter.observe(prompt)
+    r = decode(drafter, list(prompt), output, budget, sizer, clock)
+    r.draft_seconds += time.perf_counter() - t0
+    return r
+
+
+def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: int = 96,
+           sizer=None, clock=None) -> ReplayResult:
+    """replay() once the drafter has seen `history` (extended in place with the output)."""
+    draft_s = 0.0
     pos = steps = max_tree = 0
     pass_s = 0.0
     while pos < len(output):
@@ -110,3 +117,24 @@ def replay_all(make, streams: list[dict], budget: int = 96, fresh_per_stream: bo
         total = ReplayResult(total.tokens + r.tokens, total.steps + r.steps,
                              total.draft_seconds + r.draft_seconds, max(total.max_tree, r.max_tree))
     return total
+
+
+def replay_requests(make, requests: list[dict], budget: int = 7, fresh: bool = False) -> list[ReplayResult | None]:
+    """A server's requests as its engine runs them: each starts as Engine._start does (engine.start_request:
+    the context beside the prompt, the text before an edit again, the prompt's new tokens), then
+    decodes its recorded output; a request with max_tokens 0 (an editor's warm-up) only starts
+    (None in the result). Requests: dicts with prompt, context and out (ids) and max_tokens.
+    fresh: a new drafter (`make()`) for every request, as the server's keep_drafter=False."""
+    from .engine import start_request
+
+    drafter, history, learned, results = make(), [], set(), []
+    for req in requests:
+        if fresh:
+            drafter, history, learned = make(), [], set()
+        history = start_request(drafter, history, req["prompt"], req.get("context") or (), learned)
+        if not req.get("max_tokens", len(req["out"])):
+            results.append(None)
+            continue
+        results.append(decode(drafter, history, req["out"], budget))
+        drafter.end_request()
+    return results

@@ -212,21 +212,42 @@ def test_prefill_only_then_generate_reuses_it_and_stays_lossless(tiny_model):
         next(eng.generate(longer, 0))
 
 
+class Recorder(Drafter):
+    def __init__(self):
+        self.calls = []
+
+    def learn(self, tokens):
+        self.calls.append(("learn", list(tokens)))
+
+    def observe(self, tokens):
+        self.calls.append(("observe", list(tokens)))
+
+
+def test_context_segments_are_learned_once_but_the_last(tiny_model):
+    """Text beside the prompt in segments (an editor's chunks, then the code below the cursor):
+    a drafter learns each chunk once and the last segment every request; a new drafter learns
+    them all again; a flat list of ids is one segment, learned every time."""
+    rec = Recorder()
+    eng = Engine(tiny_model, eos_ids=[], drafter=rec, context_length=4096)
+    a, b, c, below = [21, 22], [23, 24], [25], [31, 32]
+    eng.prefill_only(PROMPT, context=[a, b, below])
+    assert [x for x in rec.calls if x[0] == "learn"] == [("learn", a), ("learn", b), ("learn", below)]
+    rec.calls.clear()
+    list(eng.generate(PROMPT + [5], 2, context=[a, b, c, below]))
+    assert [x for x in rec.calls if x[0] == "learn"] == [("learn", c), ("learn", below)]
+    rec2 = Recorder()
+    eng.reset_drafter(rec2)
+    list(eng.generate(PROMPT + [5], 2, context=[a, b, c, below]))
+    assert [x for x in rec2.calls if x[0] == "learn"] == [("learn", a), ("learn", b), ("learn", c), ("learn", below)]
+    rec2.calls.clear()
+    list(eng.generate(PROMPT + [5], 2, context=below))
+    assert rec2.calls[0] == ("learn", below)
+
+
 def test_edited_prompt_refreshes_the_text_before_the_edit(tiny_model):
     """An editor's next prompt departs from the last one at the cursor: the drafter learns the
     text just before it again (so it is the most recent), then observes only the new part. A
     prompt that continues the last one (a chat's next turn) is observed without that."""
-
-    class Recorder(Drafter):
-        def __init__(self):
-            self.calls = []
-
-        def learn(self, tokens):
-            self.calls.append(("learn", list(tokens)))
-
-        def observe(self, tokens):
-            self.calls.append(("observe", list(tokens)))
-
     rec = Recorder()
     eng = Engine(tiny_model, eos_ids=[], drafter=rec, context_length=4096)
     first = [t for s in eng.generate(PROMPT, 4) for t in s]

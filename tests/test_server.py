@@ -198,7 +198,8 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
     write_tiny_gguf(path, context=256)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve", "--model", str(path),
-                             "--drafter", "ngram", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+                             "--drafter", "ngram", "--port", str(port), "--infill-extra", "256"],
+                            stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(600):
             try:
@@ -306,20 +307,26 @@ def test_infill_builder_keeps_the_prefix_start_while_the_window_slides(default_m
 def test_prefix_only_extra_budget_keeps_the_oldest_chunks_that_fit(default_model):
     """extra_budget (prefix-only layout): at most that many tokens of extra chunks, the oldest
     first, so new chunks entering the editor's ring leave the prompt's start (and its cached KV) as
-    it was; FIM prompts keep llama.cpp's fill; no budget: every chunk that fits, as before."""
+    it was; none by default; None: every chunk that fits. FIM prompts keep llama.cpp's fill. The
+    chunks left out go to the drafter, each as a segment, before the suffix (engine.start_request)."""
     tok = default_model.tokenizer
     chunk = lambda i: {"text": "".join(f"def helper_{i}_{j}(x):\n    return x * {j}\n" for j in range(8)),
                        "filename": f"m{i}.py"}
     ring = [chunk(i) for i in range(6)]
-    size = len(tok.encode(ring[0]["text"], add_special_tokens=False))
+    ids = lambda text: tok.encode(text, add_special_tokens=False)
+    size = len(ids(ring[0]["text"]))
     prefix, suffix = "def main():\n    total = 0\n", "\n    return total\n"
     capped = InfillBuilder(tok, None, 8192, extra_budget=int(2.5 * size))
     prompts = [tok.decode(capped.build(prefix, suffix, ring[:n], "", 32).ids) for n in range(1, 7)]
     assert "helper_1_0" in prompts[-1] and "helper_2_0" not in prompts[-1]  # two chunks fit, the oldest
     assert all(p == prompts[1] for p in prompts[2:])  # later chunks change nothing
-    assert not capped.build(prefix, suffix, ring, "", 32).truncated  # a choice, not a full context
-    whole = tok.decode(InfillBuilder(tok, None, 8192).build(prefix, suffix, ring, "", 32).ids)
-    assert all(f"helper_{i}_0" in whole for i in range(6))
+    built = capped.build(prefix, suffix, ring, "", 32)
+    assert not built.truncated  # a choice, not a full context
+    assert built.context == [ids(c["text"]) for c in ring[2:]] + [ids(suffix)]
+    default = InfillBuilder(tok, None, 8192).build(prefix, suffix, ring, "", 32)
+    assert "helper_" not in tok.decode(default.ids) and len(default.context) == 7
+    whole = InfillBuilder(tok, None, 8192, extra_budget=None).build(prefix, suffix, ring, "", 32)
+    assert all(f"helper_{i}_0" in tok.decode(whole.ids) for i in range(6)) and whole.context == [ids(suffix)]
     fim = {"prefix": "<PRE>", "suffix": "<SUF>", "middle": "<MID>"}
     fim_whole = tok.decode(InfillBuilder(tok, fim, 8192, extra_budget=size).build(prefix, suffix, ring, "", 32).ids)
     assert all(f"helper_{i}_0" in fim_whole for i in range(6))

@@ -37,13 +37,18 @@ HTTP call's wall time), and the time to the first completed line, an ESTIMATE: t
 decode time after the first newline of the reply, decode time being shared over tokens in
 proportion (the whole latency when the reply has no complete line). `--state both` runs the same
 request sequence on two Sessions: kept (the drafter keeps what it learned) and fresh (a fresh
-drafter every request; the KV prefix is still reused).
+drafter every request; the KV prefix is still reused). Tokens per pass are given over the
+completions and over them and the follow-ups sent after them. Quality: whether the reply's first
+line is the line then typed ("right"), and how much of that line it gets right from its start
+("match", the share of its characters after the indentation). `--record FILE` writes the first
+state's engine requests for tools/editor_mat.py, which replays the drafting offline.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import platform
 import random
 import shlex
@@ -190,6 +195,29 @@ def field(resp: dict, path: str):
     return resp
 
 
+def record_engine(engine, log: list[dict], tag: dict) -> None:
+    """Log every request the engine runs (prompt, context, max_tokens and the tokens it produced),
+    tagged with tag's current value, for tools/editor_mat.py's offline replay of the drafters."""
+    from cacheback_mlx.engine import segments
+
+    generate, prefill_only = engine.generate, engine.prefill_only
+
+    def gen(prompt, max_tokens, sampling=None, context=()):
+        rec = dict(tag) | {"prompt": [int(t) for t in prompt], "context": segments(context),
+                           "max_tokens": max_tokens, "out": []}
+        log.append(rec)
+        for out in generate(prompt, max_tokens, *(() if sampling is None else (sampling,)), context):
+            rec["out"].extend(int(t) for t in out)
+            yield out
+
+    def pre(prompt, context=()):
+        log.append(dict(tag) | {"prompt": [int(t) for t in prompt], "context": segments(context),
+                                "max_tokens": 0, "out": []})
+        return prefill_only(prompt, context)
+
+    engine.generate, engine.prefill_only = gen, pre
+
+
 def run_state(events, session, keep: bool, args) -> dict:
     from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
@@ -197,7 +225,8 @@ def run_state(events, session, keep: bool, args) -> dict:
     native = "keep_drafter" in inspect.signature(create_app).parameters
     opts = {"max_body": args.max_body} | ({} if keep or not native else {"keep_drafter": False})
     opts |= {"stable_prefix": False} if args.sliding_prefix else {}
-    opts |= {"infill_extra": args.infill_extra} if getattr(args, "infill_extra", None) is not None else {}
+    if getattr(args, "infill_extra", None) is not None:
+        opts["infill_extra"] = None if args.infill_extra < 0 else args.infill_extra
     engine = session.engine
 
     def fresh():  # emulates keep_drafter=False on a server without it
@@ -208,12 +237,17 @@ def run_state(events, session, keep: bool, args) -> dict:
             engine.history = []
 
     encode = lambda t: len(session.tokenizer.encode(t, add_special_tokens=False))
-    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "follow": [], "failures": [], "native": native}
+    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "follow": [], "failures": [], "native": native, "log": []}
+    tag: dict = {}
+    if getattr(args, "record", None):
+        record_engine(engine, out["log"], tag)
     with TestClient(create_app(session, **opts), raise_server_exceptions=False) as client:
 
-        def post(kind: str, body: dict) -> tuple[dict | None, float]:
+        def post(kind: str, body: dict, where: dict | None = None) -> tuple[dict | None, float]:
             if not keep and not native:
                 fresh()
+            tag.clear()
+            tag.update({"kind": kind} | {k: v for k, v in (where or {}).items() if k in ("block", "typed", "first")})
             t0 = time.perf_counter()
             r = client.post("/infill", json=body)
             ms = 1e3 * (time.perf_counter() - t0)
@@ -227,7 +261,7 @@ def run_state(events, session, keep: bool, args) -> dict:
             return None, ms
 
         for kind, body, where in events:
-            resp, ms = post(kind, body)
+            resp, ms = post(kind, body, where)
             if resp is None:
                 continue
             if kind == "warm":
@@ -248,18 +282,20 @@ def run_state(events, session, keep: bool, args) -> dict:
             doc, y = where["doc"], where["y"]
             # the hint's first line is the line the user then typed (None: a blank line was typed next)
             right = content.split("\n", 1)[0].rstrip() == where["truth"].rstrip() if where["truth"].strip() else None
+            match = line_match(content.split("\n", 1)[0], where["truth"]) if where["truth"].strip() else None
             out["rows"].append({k: v for k, v in where.items() if k not in ("doc", "y", "truth")}
-                               | {"right": right, "prompt": total, "prefilled": prompt_n, "cached": cached,
+                               | {"right": right, "match": match, "prompt": total, "prefilled": prompt_n, "cached": cached,
                                   "reused": 100 * cached / total if total else 0.0, "ms": ms,
                                   "first_line": first_line, "predicted": predicted,
                                   "passes": num("timings/passes"), "chars": len(content)})
             hint = hint_lines(content, doc, y) if getattr(args, "follow_ups", False) else []
             if hint:  # llama.vim's speculative follow-up, sent once the hint is shown (the user types meanwhile)
-                resp, ms = post("follow-up", fim_body(doc, y, body["input_extra"], 1000, hint))
+                resp, ms = post("follow-up", fim_body(doc, y, body["input_extra"], 1000, hint), where)
                 out["rows"][-1]["followed"] = True
                 if resp is not None:
                     out["follow"].append({"ms": ms, "predicted": field(resp, "timings/predicted_n") or 0,
                                           "passes": field(resp, "timings/passes") or 0})
+                    out["rows"][-1]["follow"] = out["follow"][-1]
     return out
 
 
@@ -270,6 +306,28 @@ def med(xs):
 def tpp(rows) -> float:
     passes = sum(r["passes"] for r in rows)
     return sum(r["predicted"] for r in rows) / passes if passes else float("nan")
+
+
+def tpp_served(rows) -> float:
+    """Tokens per pass over the completions and the follow-ups sent after them."""
+    return tpp(rows + [r["follow"] for r in rows if "follow" in r])
+
+
+def line_match(hint: str, truth: str) -> float:
+    """How much of the typed line the hint's first line gets right from its start: the share of
+    the line's characters after its indentation (0 when the indentation differs)."""
+    hint, truth = hint.rstrip(), truth.rstrip()
+    indent = len(truth) - len(truth.lstrip())
+    if hint[:indent] != truth[:indent] or hint[indent:indent + 1].isspace():
+        return 0.0
+    same = next((i for i, (a, b) in enumerate(zip(hint, truth)) if a != b), min(len(hint), len(truth)))
+    return (same - indent) / (len(truth) - indent)
+
+
+def match_pct(rows) -> float:
+    """Mean line_match over the replies (blank lines typed next left out), in %."""
+    known = [r["match"] for r in rows if r.get("match") is not None]
+    return 100 * sum(known) / len(known) if known else float("nan")
 
 
 def right_pct(rows) -> float:
@@ -308,7 +366,8 @@ def header(args, path: Path, session) -> None:
     if args.file is None:
         where = f"{where} (click {metadata.version('click')})"
     print(f"- file: {where} ({args.blocks} blocks of {args.block_lines} lines, a request every {args.every} lines, "
-          f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'on'}, "
+          f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'sent'} "
+          f"(server: {'default' if args.infill_extra is None else args.infill_extra} tokens of them in a prefix-only prompt), "
           f"follow-ups {'on' if args.follow_ups else 'off'}, "
           f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
@@ -327,13 +386,17 @@ def main(argv=None) -> None:
     ap.add_argument("--state", choices=["kept", "fresh", "both"], default="both")
     ap.add_argument("--no-extra", action="store_true", help="no ring-buffer chunks (input_extra empty, no warm-ups)")
     ap.add_argument("--infill-extra", type=int, default=None,
-                    help="server option infill_extra: tokens of extra chunks in the prefix-only layout")
+                    help="server option infill_extra (serve --infill-extra): tokens of extra chunks in a "
+                         "prefix-only prompt; -1: all that fit (the layout before 2026-11-25)")
     ap.add_argument("--no-follow-ups", dest="follow_ups", action="store_false",
                     help="no speculative follow-ups (the protocol of the runs before 2026-11-25)")
     ap.add_argument("--max-body", type=int, default=64 << 20)
     ap.add_argument("--sliding-prefix", action="store_true",
                     help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
     ap.add_argument("--verbose", action="store_true", help="also print every request")
+    ap.add_argument("--record", type=Path, default=None,
+                    help="write the first state's engine requests (prompt, context, output ids) to this JSON "
+                         "file, for tools/editor_mat.py")
     args = ap.parse_args(argv)
     if min(args.blocks, args.block_lines, args.every) < 1:
         ap.error("--blocks, --block-lines and --every must be >= 1")
@@ -355,10 +418,13 @@ def main(argv=None) -> None:
         if not results:
             header(args, path, session)
         results[state] = run_state(events, session, state == "kept", args)
+        if args.record and len(results) == 1:
+            args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": state,
+                                               "model": session.loaded.name, "requests": results[state]["log"]}))
         del session
 
     cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass",
-            "first line right %"]
+            "tok/pass with follow-ups", "first line right %", "first line match %"]
     summary = []
     for state, res in results.items():
         if args.verbose:
@@ -371,9 +437,10 @@ def main(argv=None) -> None:
         for name, part in zip(("first", "middle", "last"), thirds(res["rows"])):
             summary.append([state, name, len(part), med([r["prompt"] for r in part]),
                             med([r["reused"] for r in part if not r["first"]]), med([r["ms"] for r in part]),
-                            med([r["first_line"] for r in part]), tpp(part), right_pct(part)])
+                            med([r["first_line"] for r in part]), tpp(part), tpp_served(part), right_pct(part), match_pct(part)])
     print("### By third of the session\n")
-    print("reused %: requests after a block's first; tok/pass: tokens predicted per verify pass\n")
+    print("reused %: requests after a block's first; tok/pass: tokens predicted per verify pass (over the "
+          "completions, and over them and the follow-ups sent after them)\n")
     table(cols, summary)
     for state, res in results.items():
         how = "server option keep_drafter=False" if res["native"] else "drafter reset by this tool"
@@ -387,18 +454,24 @@ def main(argv=None) -> None:
     head = results.get("kept") or next(iter(results.values()))
     reused = med([r["reused"] for r in head["rows"] if not r["first"]])
     first_line = med([r["first_line"] for r in head["rows"]])
-    if "kept" in results and "fresh" in results:
-        kept, fresh = (tpp(thirds(results[s]["rows"])[2]) for s in ("kept", "fresh"))
+    def learning(rate):
+        if "kept" not in results or "fresh" not in results:
+            return None, "- (needs --state both)"
+        kept, fresh = (rate(thirds(results[s]["rows"])[2]) for s in ("kept", "fresh"))
         ok = kept / fresh - 1 >= 0.15 if fresh == fresh and fresh and kept == kept else None
-        gain = "-" if ok is None else f"{100 * (kept / fresh - 1):+.1f}% ({kept:.2f} vs {fresh:.2f} tok/pass)"
-    else:
-        ok, gain = None, "- (needs --state both)"
+        return ok, "-" if ok is None else f"{100 * (kept / fresh - 1):+.1f}% ({kept:.2f} vs {fresh:.2f} tok/pass)"
+
+    ok, gain = learning(tpp)
+    ok_all, gain_all = learning(tpp_served)
     check = lambda ok: "" if ok is None else (" ✅" if ok else " ❌")
     show = lambda v, fmt: "-" if v != v else format(v, fmt)  # nan: no request to measure
     print(f"- median tokens reused after a block's first request: {show(reused, '.1f')}% (target >= 80%){check(reused >= 80 if reused == reused else None)}")
     print(f"- learning across requests, tok/pass in the last third, kept vs fresh: {gain} (target >= +15%){check(ok)}")
+    if any(res["follow"] for res in results.values()):
+        print(f"  - over completions and their follow-ups: {gain_all}{check(ok_all)}")
     print(f"- median time to the first completed line (estimate): {show(first_line, '.0f')} ms (target < 1000 ms){check(first_line < 1000 if first_line == first_line else None)}")
-    print(f"- the hint's first line is the line typed next: {show(right_pct(head['rows']), '.0f')}% of replies")
+    print(f"- the hint's first line is the line typed next: {show(right_pct(head['rows']), '.0f')}% of replies; "
+          f"it gets {show(match_pct(head['rows']), '.0f')}% of that line right from its start, on average")
 
 
 if __name__ == "__main__":
