@@ -93,3 +93,18 @@ def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_o
         # through the first pass, none through a prefill of its own
         assert sum(prefilled) == 0 and leads[0][0] == eng.stats.prefill_tokens + 1 >= 16, mode
         assert eng.stats.passes < N and any(size == 8 for _, size in leads[1:]), mode
+
+
+def test_editor_context_segments_are_lossless_on_the_default_model(default_model, plain_outputs):
+    """An editor's requests: chunks and the code below the cursor as context segments (auto learns
+    each chunk once and the last segment every request), a warm-up, then the request itself: the
+    output is plain greedy decoding's, token for token, even when the context holds the answer."""
+    eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length,
+                 draft_budget=16)
+    for mode, (ids, truth) in plain_outputs.items():
+        eng.reset()
+        chunks = [list(truth[: N // 2]), list(ids[: len(ids) // 2])]  # text that drafts the answer well
+        eng.prefill_only(ids[:-5], context=chunks + [list(truth[N // 2:])])
+        out = [t for step in eng.generate(ids, N, context=chunks + [list(truth[-8:])]) for t in step]
+        assert out == truth, mode
+        assert eng.stats.passes < N, mode

@@ -287,7 +287,7 @@ def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
     equal to mlx-lm's own greedy decoding."""
     name, model = family
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
-    eng.prefill_only(PROMPT[:16], context=[5, 6, 7])
+    eng.prefill_only(PROMPT[:16], context=[[5, 6, 7], [8, 9]])  # segments: an editor's chunk, then its suffix
     turn1 = PROMPT
     truth1 = reference(model, turn1, 12)
     out1, _ = run(model, RandomTreeDrafter(turn1, truth1, seed=8), prompt=turn1, n=12, engine=eng)

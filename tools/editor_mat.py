@@ -93,9 +93,10 @@ def main(argv=None) -> None:
         last[state] = (mat(thirds(comp)[2]), mat([r for g in thirds(groups)[2] for r in g]))
         cells = [mat(t) for t in thirds(comp)] + [mat(comp), mat(follow), last[state][1]]
         print(f"| {state} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    print()
     for i, what in enumerate(("completions", "completions and their follow-ups")):
         kept, fresh = last["kept"][i], last["fresh"][i]
-        print(f"\n- learning across requests, last third, {what}: {100 * (kept / fresh - 1):+.1f}% "
+        print(f"- learning across requests, last third, {what}: {100 * (kept / fresh - 1):+.1f}% "
               f"(kept {kept:.3f} vs fresh {fresh:.3f})")
 
 

@@ -350,6 +350,12 @@ def table(head: list[str], rows: list[list]) -> None:
     print()
 
 
+def extra_in_prompt(infill_extra: int | None) -> str:
+    if infill_extra is None:
+        return "the default number of their tokens"
+    return "all that fit" if infill_extra < 0 else f"at most {infill_extra} tokens of them"
+
+
 def header(args, path: Path, session) -> None:
     import mlx.core as mx
     cpu = platform.processor() or platform.machine()
@@ -367,7 +373,7 @@ def header(args, path: Path, session) -> None:
         where = f"{where} (click {metadata.version('click')})"
     print(f"- file: {where} ({args.blocks} blocks of {args.block_lines} lines, a request every {args.every} lines, "
           f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'sent'} "
-          f"(server: {'default' if args.infill_extra is None else args.infill_extra} tokens of them in a prefix-only prompt), "
+          f"(server: {extra_in_prompt(args.infill_extra)} in a prefix-only prompt), "
           f"follow-ups {'on' if args.follow_ups else 'off'}, "
           f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
