@@ -129,7 +129,7 @@ class Session:
                    context: Sequence[int] = (), truncate: bool = False) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, tokens) per step; the text pieces join into the full output.
         `context`: token ids beside the prompt the drafter may draft from, one list or several
-        (engine.start_request)
+        (engine.start_request).
         truncate: a prompt too long for the context loses its oldest tokens (default: an error)."""
         if truncate:
             prompt_ids = self.fit(prompt_ids, max_tokens)[0]
