@@ -114,12 +114,13 @@ class InfillBuilder:
         start = self._start(lines, costs, budget)
         # extra chunks fill what is left, the oldest dropped first
         left = room - specials - prompt_n - suffix_n - sum(costs[start:])
-        chunks = [c for c in extra if str(c.get("text") or "")]
-        costs_e = [self.count(chunk_text(fim, c)) for c in chunks]
+        sent = [c for c in extra if str(c.get("text") or "")]
+        costs_e = [self.count(chunk_text(fim, c)) for c in sent]
+        take = len(sent)
         if not use_fim and self.extra_budget is not None:
             # the oldest chunks that fit: the prompt's start stays put while new chunks come in
             take = fit_from_start(costs_e, min(left, self.extra_budget))
-            chunks, costs_e = chunks[:take], costs_e[:take]
+        chunks, costs_e = sent[:take], costs_e[:take]
         first = len(chunks) - fit_from_start(costs_e[::-1], left)
 
         # prefix-only on an empty cursor line: end the prompt before the last newline, which the
@@ -143,7 +144,7 @@ class InfillBuilder:
         rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix, heal=heal)
         context = []
         if not use_fim:  # the drafter drafts from the chunks left out and the code below the cursor
-            left_out = [c for c in extra if str(c.get("text") or "") and c not in chunks[first:]]
+            left_out = sent[:first] + sent[take:]
             context = [self.ids(chunk_text(None, c)) for c in left_out] + [self.ids(suffix)[: self.batch // 4]]
         return InfillPrompt(ids, use_fim, truncated, rules, context)
 

@@ -129,3 +129,11 @@ def test_bench_runs_drafter_variants_side_by_side(tmp_path):
     assert_one_line_error(bad, "cacheback")
     bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters", "cacheback:frozen")
     assert_one_line_error(bad, "KEY=VALUE")
+
+
+def test_serve_refuses_a_bad_infill_extra_before_loading_anything():
+    """--infill-extra takes -1 (all that fit) or more: anything else is click's usage error (exit 2),
+    its last line naming the option, with no traceback and no model loaded."""
+    r = cli("serve", "--infill-extra", "-5", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: Invalid value for '--infill-extra'"), r.stderr

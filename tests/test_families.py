@@ -296,6 +296,13 @@ def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
     truth2 = reference(model, turn2, 12)
     out2, _ = run(model, OracleDrafter(turn2, truth2), prompt=turn2, n=12, engine=eng)
     assert out2 == truth2, name
+    # auto drafting from context segments (chunks learned once, then the suffix) that hold the answer
+    eng.set_drafter(AutoDrafter(persist=False))
+    turn3 = PROMPT[:12] + [9, 8, 7]
+    truth3 = reference(model, turn3, 12)
+    context = [truth3[:6], list(turn3), truth3[6:]]
+    out3 = [t for step in eng.generate(turn3, 12, context=context) for t in step]
+    assert out3 == truth3, name
 
 
 def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):

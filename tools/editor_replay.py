@@ -199,14 +199,15 @@ def record_engine(engine, log: list[dict], tag: dict) -> None:
     """Log every request the engine runs (prompt, context, max_tokens and the tokens it produced),
     tagged with tag's current value, for tools/editor_mat.py's offline replay of the drafters."""
     from cacheback_mlx.engine import segments
+    from cacheback_mlx.sampling import SamplingParams
 
     generate, prefill_only = engine.generate, engine.prefill_only
 
-    def gen(prompt, max_tokens, sampling=None, context=()):
+    def gen(prompt, max_tokens, sampling=SamplingParams(), context=()):
         rec = dict(tag) | {"prompt": [int(t) for t in prompt], "context": segments(context),
                            "max_tokens": max_tokens, "out": []}
         log.append(rec)
-        for out in generate(prompt, max_tokens, *(() if sampling is None else (sampling,)), context):
+        for out in generate(prompt, max_tokens, sampling, context):
             rec["out"].extend(int(t) for t in out)
             yield out
 
@@ -218,15 +219,15 @@ def record_engine(engine, log: list[dict], tag: dict) -> None:
     engine.generate, engine.prefill_only = gen, pre
 
 
-def run_state(events, session, keep: bool, args) -> dict:
+def run_state(events, session, keep: bool, args, infill_extra: int | None = None) -> dict:
     from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
 
     native = "keep_drafter" in inspect.signature(create_app).parameters
     opts = {"max_body": args.max_body} | ({} if keep or not native else {"keep_drafter": False})
     opts |= {"stable_prefix": False} if args.sliding_prefix else {}
-    if getattr(args, "infill_extra", None) is not None:
-        opts["infill_extra"] = None if args.infill_extra < 0 else args.infill_extra
+    if infill_extra is not None:
+        opts["infill_extra"] = None if infill_extra < 0 else infill_extra
     engine = session.engine
 
     def fresh():  # emulates keep_drafter=False on a server without it
@@ -350,6 +351,10 @@ def table(head: list[str], rows: list[list]) -> None:
     print()
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def extra_in_prompt(infill_extra: int | None) -> str:
     if infill_extra is None:
         return "the default number of their tokens"
@@ -373,7 +378,7 @@ def header(args, path: Path, session) -> None:
         where = f"{where} (click {metadata.version('click')})"
     print(f"- file: {where} ({args.blocks} blocks of {args.block_lines} lines, a request every {args.every} lines, "
           f"seed {args.seed}, extra chunks {'off' if args.no_extra else 'sent'} "
-          f"(server: {extra_in_prompt(args.infill_extra)} in a prefix-only prompt), "
+          f"(server: {' / '.join(extra_in_prompt(x) for x in args.infill_extra)} in a prefix-only prompt), "
           f"follow-ups {'on' if args.follow_ups else 'off'}, "
           f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
@@ -391,9 +396,10 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")
     ap.add_argument("--state", choices=["kept", "fresh", "both"], default="both")
     ap.add_argument("--no-extra", action="store_true", help="no ring-buffer chunks (input_extra empty, no warm-ups)")
-    ap.add_argument("--infill-extra", type=int, default=None,
+    ap.add_argument("--infill-extra", type=int_list, default=[None],
                     help="server option infill_extra (serve --infill-extra): tokens of extra chunks in a "
-                         "prefix-only prompt; -1: all that fit (the layout before 2026-11-25)")
+                         "prefix-only prompt; -1: all that fit (the layout before 2026-11-25); several, "
+                         "comma-separated: each state is run with each, side by side")
     ap.add_argument("--no-follow-ups", dest="follow_ups", action="store_false",
                     help="no speculative follow-ups (the protocol of the runs before 2026-11-25)")
     ap.add_argument("--max-body", type=int, default=64 << 20)
@@ -416,18 +422,20 @@ def main(argv=None) -> None:
     events = plan(lines, f"{path.parent.name}/{path.name}", args)
     states = ["kept", "fresh"] if args.state == "both" else [args.state]
     results = {}
-    for state in states:
-        # SSD starts from an empty store of its own, not from what this machine served before
-        store = {k: tempfile.mkdtemp(prefix="replay-ssd-") for k in ("ssd_path", "path")
-                 if k in drafter_parameters(args.drafter)}
-        session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
-        if not results:
-            header(args, path, session)
-        results[state] = run_state(events, session, state == "kept", args)
-        if args.record and len(results) == 1:
-            args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": state,
-                                               "model": session.loaded.name, "requests": results[state]["log"]}))
-        del session
+    for extra in args.infill_extra:
+        for state in states:
+            # SSD starts from an empty store of its own, not from what this machine served before
+            store = {k: tempfile.mkdtemp(prefix="replay-ssd-") for k in ("ssd_path", "path")
+                     if k in drafter_parameters(args.drafter)}
+            session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
+            if not results:
+                header(args, path, session)
+            label = state if len(args.infill_extra) == 1 else f"{state}, infill-extra {extra}"
+            results[label] = run_state(events, session, state == "kept", args, extra)
+            if args.record and len(results) == 1:
+                args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": label,
+                                                   "model": session.loaded.name, "requests": results[label]["log"]}))
+            del session
 
     cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass",
             "tok/pass with follow-ups", "first line right %", "first line match %"]
@@ -451,7 +459,8 @@ def main(argv=None) -> None:
     for state, res in results.items():
         how = "server option keep_drafter=False" if res["native"] else "drafter reset by this tool"
         fol = res["follow"]
-        print(f"- {state}: {len(res['rows'])} completions, {res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
+        print(f"- {state}: {len(res['rows'])} completions (median first line "
+              f"{med([r['first_line'] for r in res['rows']]):.0f} ms), {res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
               f"{len(fol)} follow-ups in {sum(f['ms'] for f in fol):.0f} ms ({tpp(fol):.2f} tok/pass), "
               f"{len(res['failures'])} failed" + (f" (fresh: {how})" if state == "fresh" else ""))
         for f in sorted(set(res["failures"]))[:5]:
