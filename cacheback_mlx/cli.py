@@ -197,10 +197,14 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
               help="Tokens of an editor's extra context chunks in a prefix-only /infill prompt (models "
                    "without FIM tokens), the oldest that fit; -1: all that fit. Chunks left out are still "
                    "drafted from. FIM prompts always take all that fit, as llama.cpp does.")
+@click.option("--slots", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Sequences whose KV caches are kept at once (llama.cpp's slots): a request runs in the one "
+                   "that reuses most of its prompt, so an editor flipping between files, or clients between "
+                   "conversations, does not re-prefill each time. One with --distributed.")
 @distributed_option
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size, infill_extra, distributed):
+          batch_size, infill_extra, slots, distributed):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
     from .server import serve as run_server
 
@@ -208,7 +212,7 @@ def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size,
-               infill_extra=None if infill_extra < 0 else infill_extra)
+               infill_extra=None if infill_extra < 0 else infill_extra, slots=slots)
 
 
 @main.command("build-table")

@@ -1,10 +1,10 @@
 """The speculative decoding loop, top to bottom: draft -> verify -> accept -> rollback -> update.
 
-The engine owns a model's caches (kvcache.ModelCache) and knows no particular drafter: any
-Drafter proposes a DraftTree, which goes through the model in one pass (verify.verify_pass); the
-longest root path whose tokens the model itself picks is accepted, plus the model's own token after
-it (the bonus); the rest of the cache is rolled back (ModelCache.finish_pass); the drafter then
-learns the accepted tokens. A step with an empty draft is a plain one-token decoding step.
+The engine owns a model's caches (kvcache.ModelCache; a set per slot when it keeps several
+sequences at once, slots.py) and knows no particular drafter: any Drafter proposes a DraftTree,
+which goes through the model in one pass (verify.verify_pass); the longest root path whose tokens
+the model itself picks is accepted, plus the model's own token after it (the bonus); the rest of
+the cache is rolled back (ModelCache.finish_pass); the drafter then learns the accepted tokens. A step with an empty draft is a plain one-token decoding step.
 
 Models with recurrent layers get chain drafts, and so do models with position-dependent code the
 engine cannot place in a tree (positions.py). A recurrent state cannot be cut back, so a pass on
@@ -27,6 +27,7 @@ from .errors import CachebackError
 from .kvcache import ModelCache
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
+from .slots import SLOT_BYTES, Slots
 from .tree import DraftTree, common_prefix
 from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
 
@@ -163,12 +164,13 @@ class Engine:
 
     def __init__(self, model, eos_ids: Sequence[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
-                 sizer: Sizer | None = None, peers=None):
+                 sizer: Sizer | None = None, peers=None, slots: int = 1, slot_bytes: int = SLOT_BYTES):
         """sizer: chooses each pass's draft size from measured pass costs (budget.py), with
         draft_budget (default MAX_DRAFT) as a cap; without one every pass drafts up to
         draft_budget (default: per backend).
         peers: for a model sharded over processes, the other ranks (distributed.Leader): each
-        cache operation below is announced to them first, so every rank does the same."""
+        cache operation below is announced to them first, so every rank does the same.
+        slots: sequences kept at once, each with its own caches (slots.py; one with peers)."""
         self.model = model
         self.peers = peers
         self.eos_ids = set(int(t) for t in eos_ids)
@@ -187,6 +189,7 @@ class Engine:
         self.lead: list[int] = []  # accepted tokens not yet in the caches; lead[-1] is the root
         self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
         self.learned: set = set()  # context segments the drafter has learned (start_request)
+        self.slots = Slots(1 if peers is not None else slots, slot_bytes)  # the fields above are the active slot's
         self.stats = Stats()
 
     def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
@@ -208,12 +211,14 @@ class Engine:
         if drafter is not self.drafter:
             self.drafter.close()
         self.drafter, self.learned = drafter, set()
+        self.slots.clear(keep_caches=True)  # the new drafter saw none of the idle slots' sequences
         drafter.observe(self.history)
 
     def reset_drafter(self, drafter: Drafter | None = None) -> None:
         """A fresh drafter state (or `drafter`, a new one, in place of the current); the caches
         stay. The drafter relearns the next prompt whole."""
         self.history, self.learned = [], set()
+        self.slots.clear(keep_caches=True)
         if drafter is None:
             self.drafter.reset()
         else:
@@ -222,16 +227,19 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation: empty the cache and the drafter's state."""
         self._trim(0)
+        self.slots.clear()
         self.cached, self.history, self.lead, self.learned = [], [], [], set()
         self.drafter.reset()
 
-    def _start(self, prompt: list[int], context=(), tail: int = 1) -> None:
+    def _start(self, prompt: list[int], context=(), tail: int = 1, slot: int | None = None) -> None:
         """Prefill what the cache lacks of the prompt but its last `tail` tokens (at least one),
         which lead the first pass (prompt[-1] is its root): a short uncached tail, a new chat
         turn or the text typed since an editor's last request, then shares a pass with the first
         drafts instead of taking a prefill pass of its own.
-        `context`: text beside the prompt for the drafter to learn (start_request)."""
+        `context`: text beside the prompt for the drafter to learn (start_request).
+        `slot`: the slot to run in (None or -1: the one that reuses most, slots.Slots.choose)."""
         t0 = time.perf_counter()
+        self.slots.switch(self, self.slots.choose(prompt, self.cached, slot))
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.cached, prompt[:-1]))
         split = len(prompt) - max(1, min(tail, len(prompt) - keep))
@@ -274,8 +282,17 @@ class Engine:
             self.peers.finish(rows, whole)
         return self.cache.finish_pass(rows, whole)
 
-    def check(self, prompt: Sequence[int], max_tokens: int = 1) -> list[int]:
+    def set_slots(self, n: int, max_bytes: int = SLOT_BYTES) -> None:
+        """Keep up to n sequences' caches at once (slots.py); a sharded model keeps one."""
+        if self.peers is not None or n == self.slots.n:
+            return
+        self.slots.clear()
+        self.slots = Slots(n, max_bytes)
+
+    def check(self, prompt: Sequence[int], max_tokens: int = 1, slot: int | None = None) -> list[int]:
         """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
+        if slot is not None and slot >= self.slots.n:
+            raise CachebackError(f"id_slot must be in [0, {self.slots.n}) or -1 (got {slot})")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise CachebackError("empty prompt")
@@ -288,19 +305,19 @@ class Engine:
                                  f"{self.context_length} tokens")
         return prompt
 
-    def prefill_only(self, prompt: Sequence[int], context=()) -> None:
+    def prefill_only(self, prompt: Sequence[int], context=(), slot: int | None = None) -> None:
         """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
         the next request that starts with this prompt only prefills what follows it."""
-        prompt = self.check(prompt, 0)
+        prompt = self.check(prompt, 0, slot)
         self.stats = Stats(prompt_tokens=len(prompt))
-        self._start(prompt, context)
+        self._start(prompt, context, slot=slot)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 context=()) -> Iterator[list[int]]:
+                 context=(), slot: int | None = None) -> Iterator[list[int]]:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
-        editor's chunks and the code below the cursor; start_request)."""
-        prompt = self.check(prompt, max_tokens)
+        editor's chunks and the code below the cursor; start_request). `slot`: see _start."""
+        prompt = self.check(prompt, max_tokens, slot)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")
         max_tokens = min(max_tokens, self.context_length - len(prompt))
@@ -311,7 +328,7 @@ class Engine:
         # per-step sizing prices the tail's rows (fixed budgets would lose drafts to them); a
         # recurrent model undoes a pass not accepted whole, so its tail is prefilled as before
         tail = LEAD_TAIL if self.sizer is not None and not self.cache.recurrent else 1
-        self._start(prompt, context, tail)
+        self._start(prompt, context, tail, slot)
         t_start = time.perf_counter()
         try:
             while stats.tokens < max_tokens:

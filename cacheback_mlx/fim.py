@@ -24,7 +24,9 @@ start at another line each time and nothing after the extra chunks would be reus
 keeps the start line of the last prompt (found again by its text) for as long as the prefix from
 there fits its budget, and a new start uses only 3/4 of the budget: one full prefill every
 quarter budget of typed text instead of every request. The same text is sent to the model either
-way; only which of the sent lines above the cursor are used changes.
+way; only which of the sent lines above the cursor are used changes. The start lines of the last
+few prompts are kept, the latest first, so an editor that flips between files finds each file's
+start again (and the engine's slots keep each file's cache: slots.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .errors import CachebackError
 
 REANCHOR = 0.75  # a new prefix start uses this share of the prefix budget, leaving room to grow
 ANCHOR_LINES = 3  # lines of text that find the last prompt's start line again
+ANCHORS = 8  # start lines kept (one per file an editor flips between)
 
 
 def fim_prompt(fim: dict | None, prefix: str, suffix: str, extra: list[dict] | None = None, prompt: str = "") -> str:
@@ -79,7 +82,7 @@ class InfillBuilder:
     # the default model's completions no better and twice as slow (docs/BENCHMARKS.md §8), so none
     # by default; they are still given to the drafter to draft from.
     extra_budget: int | None = 0
-    anchor: list[str] = field(default_factory=list)  # first lines of the last prompt's prefix
+    anchors: list[list[str]] = field(default_factory=list)  # first lines of the last prompts' prefixes, latest first
     last: tuple[str, str, str] | None = None  # the last request's prefix, suffix and cursor line
 
     def __post_init__(self):
@@ -139,7 +142,9 @@ class InfillBuilder:
             ids = encode(start)
         if len(ids) > room or not ids:
             raise CachebackError(f"infill prompt does not fit the context of {self.context_length} tokens")
-        self.anchor = lines[start:start + ANCHOR_LINES]
+        anchor = lines[start:start + ANCHOR_LINES]
+        if anchor:
+            self.anchors = [anchor] + [a for a in self.anchors if a != anchor][: ANCHORS - 1]
         truncated = start > 0 or first > 0 or (use_fim and keep_s < len(suffix_lines))
         rules = CompletionRules(block=not use_fim, cursor_line=prompt, suffix=suffix, heal=heal)
         context = []
@@ -149,7 +154,8 @@ class InfillBuilder:
         return InfillPrompt(ids, use_fim, truncated, rules, context)
 
     def _start(self, lines: list[str], costs: list[int], budget: int) -> int:
-        """First prefix line to use: the last prompt's start line while the prefix from there fits."""
+        """First prefix line to use: the start line of the latest prompt whose start is in this
+        prefix, while the prefix from there fits."""
         total, n = 0, len(lines)
         if not self.stable_prefix:
             start = n
@@ -157,13 +163,13 @@ class InfillBuilder:
                 start -= 1
                 total += costs[start]
             return start
-        if self.anchor:
-            k = len(self.anchor)
-            for i in range(n - k + 1):  # the window slid down: the old start is near the top
-                if lines[i:i + k] == self.anchor:
-                    if sum(costs[i:]) <= budget:
-                        return i
-                    break
+        for anchor in self.anchors:
+            k = len(anchor)
+            at = next((i for i in range(n - k + 1) if lines[i:i + k] == anchor), None)  # near the top
+            if at is not None:
+                if sum(costs[at:]) <= budget:
+                    return at
+                break
         target = int(REANCHOR * budget)  # room to grow before the next new start
         start = n
         while start > 0 and total + costs[start - 1] <= target:

@@ -124,15 +124,18 @@ def replay_requests(make, requests: list[dict], budget: int = 7, fresh: bool = F
     """A server's requests as its engine runs them: each starts as Engine._start does (engine.start_request:
     the context beside the prompt, the text before an edit again, the prompt's new tokens), then
     decodes its recorded output; a request with max_tokens 0 (an editor's warm-up) only starts
-    (None in the result). Requests: dicts with prompt, context and out (ids) and max_tokens.
+    (None in the result). Requests: dicts with prompt, context and out (ids) and max_tokens, and the
+    engine slot it ran in (default 0): each slot keeps its own history and learned segments.
     fresh: a new drafter (`make()`) for every request, as the server's keep_drafter=False."""
     from .engine import start_request
 
-    drafter, history, learned, results = make(), [], set(), []
+    drafter, views, results = make(), {}, []
     for req in requests:
         if fresh:
-            drafter, history, learned = make(), [], set()
+            drafter, views = make(), {}
+        history, learned = views.get(req.get("slot", 0), ([], set()))
         history = start_request(drafter, history, req["prompt"], req.get("context") or (), learned)
+        views[req.get("slot", 0)] = (history, learned)
         if not req.get("max_tokens", len(req["out"])):
             results.append(None)
             continue

@@ -137,3 +137,9 @@ def test_serve_refuses_a_bad_infill_extra_before_loading_anything():
     r = cli("serve", "--infill-extra", "-5", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("Error: Invalid value for '--infill-extra'"), r.stderr
+
+
+def test_serve_refuses_fewer_than_one_slot_before_loading_anything():
+    r = cli("serve", "--slots", "0", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: Invalid value for '--slots'"), r.stderr

@@ -189,6 +189,34 @@ def test_llama_vim_instruct_warmup(paths):
         assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] > len(VIM_PREAMBLE)
 
 
+def test_llama_vim_flipping_between_files_and_instruct_keeps_each_cache(paths):
+    """Slots: llama.vim sends id_slot 0 for every FIM request and 1 for its instruct prompts; the
+    server picks the slot by what each prompt reuses, so two files edited alternately and an
+    instruct warm-up in between each keep their own cache. With one slot each switch re-prefills."""
+    files = {f: "".join(f"{f}_{i} = {f}_{i - 1} + {i}\n" if i else f"{f}_0 = 0\n" for i in range(12))
+             for f in ("ab", "cd")}
+    reused = {}
+    for n_slots in (1, 3):
+        with TestClient(create_app(Session(paths["wide"], "ngram"), slots=n_slots)) as c:
+            assert c.get("/props").json()["total_slots"] == n_slots
+            cache_n, used = [], set()
+            for step in range(3):
+                for f, text in files.items():
+                    body = vim_fim([], response_fields=False) | {
+                        "input_prefix": text + f"{f}_x{step} = 1\n", "input_suffix": "\n", "prompt": "",
+                        "n_predict": 4}
+                    r = c.post("/infill", json=body)
+                    assert r.status_code == 200, r.text
+                    cache_n.append(r.json()["timings"]["cache_n"])
+                    used.add((f, r.json()["id_slot"]))
+                r = c.post("/v1/chat/completions", json=vim_inst_warmup(VIM_PREAMBLE, [f"x = {step}"]))
+                assert r.status_code == 200, r.text
+            reused[n_slots] = cache_n[2:]  # each file's later requests
+            if n_slots == 3:
+                assert len(used) == 2 and len({s for _, s in used}) == 2  # a slot per file, kept
+    assert min(reused[3]) >= len(files["ab"]) and max(reused[1]) < 8  # one token per byte here
+
+
 # --- llama.vscode -------------------------------------------------------------------------------
 
 def vscode_chunk(text: str, filename: str = "/home/u/proj/util.py") -> dict:

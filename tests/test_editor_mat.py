@@ -57,3 +57,59 @@ def test_editor_mat_prints_kept_fresh_and_none_and_refuses_a_foreign_file(tmp_pa
     r = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("editor_mat: ")
+
+
+class Seen:
+    """A drafter that records what it is shown (pld's interface, no drafting)."""
+
+    name = "seen"
+
+    def __init__(self):
+        self.observed, self.learned = [], []
+
+    def observe(self, tokens):
+        self.observed.append(list(tokens))
+
+    def learn(self, tokens):
+        self.learned.append(list(tokens))
+
+    def propose(self, history, budget, max_branching=None):
+        from cacheback_mlx.tree import DraftTree
+
+        return DraftTree.empty()
+
+    def end_request(self):
+        pass
+
+
+def test_replay_requests_keeps_each_slots_history_and_learned_chunks():
+    """Recorded with the server's slots (an editor flipping between two files): coming back to a
+    slot continues its history (only the new prompt tokens are observed) and does not learn its
+    chunks again, as the engine does."""
+    a, b, chunk = list(range(100, 130)), list(range(300, 330)), [7, 8, 9]
+    reqs = [{"prompt": a, "context": [chunk, [1]], "max_tokens": 2, "out": [5, 6], "slot": 0},
+            {"prompt": b, "context": [[2]], "max_tokens": 2, "out": [5, 6], "slot": 1},
+            {"prompt": a + [5, 6, 42], "context": [chunk, [1]], "max_tokens": 2, "out": [5, 6], "slot": 0}]
+    d = Seen()
+    replay_requests(lambda: d, reqs, 7)
+    assert d.observed[-3] == [42] and d.learned.count(chunk) == 1
+    d2 = Seen()
+    replay_requests(lambda: d2, [{k: v for k, v in r.items() if k != "slot"} for r in reqs], 7)
+    assert d2.observed[-3] == a + [5, 6, 42]  # one history: b's prompt came between
+
+
+def test_editor_replay_interleaves_two_files_by_turns():
+    """--flip: one completion of each file in turn, each with the warm-ups before it and the
+    follow-up after it; the second file's blocks numbered after the first's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("editor_replay", TOOL.parent / "editor_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ev = lambda kind, f, b, i: (kind, {"f": f, "i": i}, None if kind == "warm" else {"block": b, "i": i})
+    a = [ev("warm", "a", 0, 0), ev("fim", "a", 1, 1), ev("fim", "a", 1, 2), ev("warm", "a", 0, 3), ev("fim", "a", 2, 4)]
+    b = [ev("fim", "b", 1, 1), ev("warm", "b", 0, 2), ev("fim", "b", 1, 3), ev("fim", "b", 2, 4)]
+    got = [(k, body["f"], body["i"], w and w["block"]) for k, body, w in mod.interleave(a, b, blocks=2)]
+    assert got == [("warm", "a", 0, None), ("fim", "a", 1, 1), ("fim", "b", 1, 3), ("fim", "a", 2, 1),
+                   ("warm", "b", 2, None), ("fim", "b", 3, 3), ("warm", "a", 3, None), ("fim", "a", 4, 2),
+                   ("fim", "b", 4, 4)]

@@ -320,3 +320,23 @@ def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
                      "oracle": OracleDrafter(prompt, truth)}.items():
         out, _ = run(model, d, prompt=prompt, n=16, draft_budget=12)
         assert out == truth, (name, label)
+
+
+def test_two_sequences_in_two_slots_equal_mlx_lm(family):
+    """Slots on every family (sliding-window, shared-KV and recurrent caches included): two
+    sequences edited alternately each continue in their own cache, token for token equal to
+    mlx-lm's greedy decoding, and a return to a sequence prefills only its new tokens."""
+    name, model = family
+    other = [(5 * i + 11) % 97 + 1 for i in range(24)]
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12, slots=2)
+    outs = {}
+    for key, prompt in (("a", PROMPT), ("b", other)):
+        truth = reference(model, prompt, 12)
+        outs[key], _ = run(model, RandomTreeDrafter(prompt, truth, seed=9), prompt=prompt, n=12, engine=eng)
+        assert outs[key] == truth, (name, key)
+    for key, prompt in (("a", PROMPT), ("b", other)):
+        turn = prompt + outs[key] + [4, 5]
+        truth = reference(model, turn, 12)
+        out, _ = run(model, RandomTreeDrafter(turn, truth, seed=10), prompt=turn, n=12, engine=eng)
+        assert out == truth, (name, key, "return")
+        assert eng.stats.prefill_tokens <= 2 + 12, (name, key)  # the new tokens (+ an undone lead), not all

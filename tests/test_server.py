@@ -4,6 +4,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -198,7 +199,7 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
     write_tiny_gguf(path, context=256)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve", "--model", str(path),
-                             "--drafter", "ngram", "--port", str(port), "--infill-extra", "256"],
+                             "--drafter", "ngram", "--port", str(port), "--infill-extra", "256", "--slots", "2"],
                             stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(600):
@@ -207,9 +208,13 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/props", timeout=5).json()["total_slots"] == 2
+        slots = set()
         for prompt in ("hello", "world"):
             r = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": prompt, "n_predict": 8}, timeout=60)
             assert r.status_code == 200, r.text
+            slots.add(r.json()["id_slot"])
+        assert slots == {0, 1}  # two prompts that share nothing: a slot each
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
@@ -447,8 +452,9 @@ class _TimedPieces:
         from cacheback_mlx.engine import Stats
 
         self.pieces, self.stats = pieces, Stats(prompt_tokens=3)
+        self.engine = SimpleNamespace(slots=SimpleNamespace(active=0))
 
-    def stream_ids(self, ids, max_tokens, params, context):
+    def stream_ids(self, ids, max_tokens, params, context, slot=None):
         for piece in self.pieces:
             self.stats.decode_s += 0.1
             self.stats.tokens += 1

@@ -42,12 +42,16 @@ completions and over them and the follow-ups sent after them. Quality: whether t
 line is the line then typed ("right"), and how much of that line it gets right from its start
 ("match", the share of its characters after the indentation). `--record FILE` writes the first
 state's engine requests for tools/editor_mat.py, which replays the drafting offline.
+`--flip FILE` edits a second file by turns with the first (one completion in each in turn, each
+file with its own blocks and ring): an editor flipping between two files, where the server's
+slots (`--slots`, serve's option) keep each file's cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import platform
 import random
@@ -186,6 +190,24 @@ def plan(lines: list[str], filename: str, args) -> list[tuple[str, dict, dict | 
     return events
 
 
+def interleave(a: list, b: list, blocks: int) -> list:
+    """Two files' requests by turns, one completion (with the warm-ups before it and the follow-up
+    after it) from each in turn: an editor flipping between two files. b's blocks are numbered
+    after a's."""
+    def turns(events, shift):
+        out, turn = [], []
+        for kind, body, where in events:
+            turn.append((kind, body, where if where is None else where | {"block": where["block"] + shift}))
+            if kind == "fim":
+                out, turn = out + [turn], []
+        return out + ([turn] if turn else [])
+
+    merged = []
+    for x, y in itertools.zip_longest(turns(a, 0), turns(b, blocks), fillvalue=[]):
+        merged += x + y
+    return merged
+
+
 def field(resp: dict, path: str):
     """A response_fields value: llama.cpp returns the flat key "timings/x"; a full body nests it."""
     if path in resp:
@@ -203,23 +225,26 @@ def record_engine(engine, log: list[dict], tag: dict) -> None:
 
     generate, prefill_only = engine.generate, engine.prefill_only
 
-    def gen(prompt, max_tokens, sampling=SamplingParams(), context=()):
+    def gen(prompt, max_tokens, sampling=SamplingParams(), context=(), slot=None):
         rec = dict(tag) | {"prompt": [int(t) for t in prompt], "context": segments(context),
                            "max_tokens": max_tokens, "out": []}
         log.append(rec)
-        for out in generate(prompt, max_tokens, sampling, context):
-            rec["out"].extend(int(t) for t in out)
-            yield out
+        try:
+            for out in generate(prompt, max_tokens, sampling, context, slot):
+                rec["out"].extend(int(t) for t in out)
+                yield out
+        finally:
+            rec["slot"] = engine.slots.active
 
-    def pre(prompt, context=()):
+    def pre(prompt, context=(), slot=None):
+        prefill_only(prompt, context, slot)
         log.append(dict(tag) | {"prompt": [int(t) for t in prompt], "context": segments(context),
-                                "max_tokens": 0, "out": []})
-        return prefill_only(prompt, context)
+                                "max_tokens": 0, "out": [], "slot": engine.slots.active})
 
     engine.generate, engine.prefill_only = gen, pre
 
 
-def run_state(events, session, keep: bool, args, infill_extra: int | None = None) -> dict:
+def run_state(events, session, keep: bool, args, infill_extra: int | None = None, slots: int | None = None) -> dict:
     from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
 
@@ -228,6 +253,8 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
     opts |= {"stable_prefix": False} if args.sliding_prefix else {}
     if infill_extra is not None:
         opts["infill_extra"] = None if infill_extra < 0 else infill_extra
+    if slots is not None:
+        opts["slots"] = slots
     engine = session.engine
 
     def fresh():  # emulates keep_drafter=False on a server without it
@@ -381,6 +408,11 @@ def header(args, path: Path, session) -> None:
           f"(server: {' / '.join(extra_in_prompt(x) for x in args.infill_extra)} in a prefix-only prompt), "
           f"follow-ups {'on' if args.follow_ups else 'off'}, "
           f"prefix {'sliding' if args.sliding_prefix else 'stable start'})")
+    if args.flip:
+        print(f"- flipping by turns with {args.flip.name} ({args.blocks} blocks of its own, seed {args.seed + 1}): "
+              f"one completion in each file in turn")
+    if args.slots != [None]:
+        print(f"- server slots: {' / '.join('default' if n is None else str(n) for n in args.slots)}")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
 
 
@@ -405,6 +437,12 @@ def main(argv=None) -> None:
     ap.add_argument("--max-body", type=int, default=64 << 20)
     ap.add_argument("--sliding-prefix", action="store_true",
                     help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
+    ap.add_argument("--slots", type=int_list, default=[None],
+                    help="server option slots (serve --slots): sequences whose caches are kept at once "
+                         "(default: the library's, one); several, comma-separated: side by side")
+    ap.add_argument("--flip", type=Path, default=None,
+                    help="a second file, edited by turns with --file: one completion in each in turn (an "
+                         "editor flipping between two files; its blocks are picked with seed + 1)")
     ap.add_argument("--verbose", action="store_true", help="also print every request")
     ap.add_argument("--record", type=Path, default=None,
                     help="write the first state's engine requests (prompt, context, output ids) to this JSON "
@@ -420,9 +458,14 @@ def main(argv=None) -> None:
     path = args.file or default_file()
     lines = path.read_text(encoding="utf-8").split("\n")
     events = plan(lines, f"{path.parent.name}/{path.name}", args)
+    if args.flip:
+        other = argparse.Namespace(**{**vars(args), "seed": args.seed + 1})
+        flip = plan(args.flip.read_text(encoding="utf-8").split("\n"), f"{args.flip.parent.name}/{args.flip.name}", other)
+        events = interleave(events, flip, args.blocks)
     states = ["kept", "fresh"] if args.state == "both" else [args.state]
     results = {}
-    for extra in args.infill_extra:
+    variants = [(e, n) for e in args.infill_extra for n in args.slots]
+    for extra, slots in variants:
         for state in states:
             # SSD starts from an empty store of its own, not from what this machine served before
             store = {k: tempfile.mkdtemp(prefix="replay-ssd-") for k in ("ssd_path", "path")
@@ -430,8 +473,9 @@ def main(argv=None) -> None:
             session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
             if not results:
                 header(args, path, session)
-            label = state if len(args.infill_extra) == 1 else f"{state}, infill-extra {extra}"
-            results[label] = run_state(events, session, state == "kept", args, extra)
+            label = ", ".join([state] + ([f"infill-extra {extra}"] if len(args.infill_extra) > 1 else [])
+                              + ([f"slots {slots}"] if len(args.slots) > 1 else []))
+            results[label] = run_state(events, session, state == "kept", args, extra, slots)
             if args.record and len(results) == 1:
                 args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": label,
                                                    "model": session.loaded.name, "requests": results[label]["log"]}))

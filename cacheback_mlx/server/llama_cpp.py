@@ -4,6 +4,9 @@ Fields as llama.cpp reads them (tools/server/README.md): n_predict (-1: until EO
 t_max_predict_ms (once a line is complete, stop when generation has taken that long), n_cmpl (several completions, answered
 as an array), response_fields (only those fields, nested ones flattened: "timings/prompt_n"),
 input_extra chunks ({text, filename}; other keys such as llama.vim's `time` are ignored).
+`id_slot` is ignored: a request runs in the slot (KV cache) that reuses most of its prompt
+(slots.py), reported back as `id_slot`. llama.vim pins FIM to slot 0 and its instruct prompts to
+slot 1; choosing by content keeps those apart too, and also each file the editor flips between.
 `n_predict: 0` only prefills (editors' warm-ups), so the next request reuses it.
 
 /infill on a model without FIM tokens (the embedded default) completes in the prefix-only layout
@@ -68,7 +71,7 @@ def router(ctx: Context) -> APIRouter:
 
     def result(job: Job, index: int = 0, fim: bool | None = None) -> dict:
         t = job.timings
-        out = {"index": index, "content": job.text, "id_slot": 0, "stop": True, "model": ctx.model_id,
+        out = {"index": index, "content": job.text, "id_slot": job.slot or 0, "stop": True, "model": ctx.model_id,
                "tokens_predicted": t.get("predicted_n", 0), "tokens_evaluated": len(job.ids),
                "tokens_cached": len(job.ids) + t.get("predicted_n", 0), "truncated": job.truncated,
                "stop_type": job.stop_type, "has_new_line": "\n" in job.text, "timings": t}
@@ -81,7 +84,7 @@ def router(ctx: Context) -> APIRouter:
             def event(piece: str, done: bool) -> dict:
                 if done:
                     return result(job, fim=fim) | {"content": ""}
-                return {"index": 0, "content": piece, "stop": False, "id_slot": 0}
+                return {"index": 0, "content": piece, "stop": False, "id_slot": job.slot or 0}
 
             return StreamingResponse(gen.stream(request, job, event, done_marker=False), media_type="text/event-stream")
         runs = await gen.complete(request, job, req.n_cmpl)
@@ -96,7 +99,7 @@ def router(ctx: Context) -> APIRouter:
     def props():
         """What llama.vscode reads (default_generation_settings.n_ctx) and llama.cpp's other keys."""
         return {"default_generation_settings": {"n_ctx": session.loaded.context_length, "model": ctx.model_id},
-                "total_slots": 1, "model_path": session.loaded.source, "build_info": "cacheback-mlx",
+                "total_slots": session.engine.slots.n, "model_path": session.loaded.source, "build_info": "cacheback-mlx",
                 "chat_template": getattr(session.tokenizer, "chat_template", None) or "",
                 "infill": "fim" if session.loaded.fim else "prefix-only"}
 

@@ -1,0 +1,121 @@
+"""Several sequences kept at once: one KV cache per slot, each with what the drafter saw of it.
+
+An editor flips between files; a chat client between conversations. With one cache, every switch
+re-prefills the whole prompt (~1,000 tokens of an editor's prefix: seconds on a CPU). A slot keeps
+one sequence's caches (kvcache.ModelCache), the tokens in them, and the drafter's view of that
+sequence (the history it saw, the context segments it learned), so coming back to a file reuses
+its cache and continues its history. The drafter's tables stay shared: what one file teaches
+helps the others.
+
+Which slot a request takes (as llama.cpp's server picks among its slots by prompt similarity):
+the one given (`id_slot`), else the slot whose cached tokens share the longest prefix with the
+prompt, if that prefix is at least half of the shorter of the two (so a chat turn that pastes a
+long text still continues its conversation, and a prompt that only shares a BOS token or a
+system prompt does not take over another sequence's slot); else an empty slot; else the one
+used longest ago. Idle slots are emptied, longest unused first, while their caches hold more
+than `max_bytes`. Slots only choose which cache a request runs on: each pass is the same as
+with one cache, so the output is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import CachebackError
+from .kvcache import ModelCache
+from .tree import common_prefix
+
+SLOT_BYTES = 2 << 30  # idle slots' caches are emptied past this many bytes
+
+
+@dataclass
+class Slot:
+    """One sequence: its caches and what is known of them (the engine's live fields while active)."""
+
+    cache: ModelCache
+    cached: list[int] = field(default_factory=list)  # tokens whose effect is in the caches
+    lead: list[int] = field(default_factory=list)  # accepted tokens not yet in the caches
+    history: list[int] = field(default_factory=list)  # the sequence the drafter saw
+    learned: set = field(default_factory=set)  # context segments the drafter learned
+    used: int = 0  # when it last served a request (a counter)
+
+    FIELDS = ("cache", "cached", "lead", "history", "learned")
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.cache.arrays())
+
+
+class Slots:
+    """The slots of one engine; the active one's fields live on the engine itself."""
+
+    def __init__(self, n: int, max_bytes: int = SLOT_BYTES):
+        if n < 1:
+            raise CachebackError(f"slots must be >= 1 (got {n})")
+        self.n = n
+        self.max_bytes = max_bytes
+        self.slots: list[Slot | None] = [None] * n  # None: empty (no cache made yet)
+        self.active = 0
+        self.clock = 0
+
+    def choose(self, prompt: list[int], current: list[int], want: int | None = None) -> int:
+        """The slot for `prompt` (`current`: the active slot's cached tokens)."""
+        if want is not None and want >= 0:
+            if want >= self.n:
+                raise CachebackError(f"id_slot must be in [0, {self.n}) (got {want})")
+            return want
+        if self.n == 1:
+            return 0
+        cached = [current if i == self.active else (s.cached if s is not None else [])
+                  for i, s in enumerate(self.slots)]
+        best, reuse = None, 0
+        for i, toks in enumerate(cached):
+            r = common_prefix(toks, prompt)
+            if r > reuse and 2 * r >= min(len(toks), len(prompt)):
+                best, reuse = i, r
+        if best is not None:
+            return best
+        empty = [i for i, toks in enumerate(cached) if not toks]
+        if empty:
+            return self.active if self.active in empty else empty[0]
+        return min((i for i in range(self.n) if i != self.active), key=lambda i: self.slots[i].used)
+
+    def switch(self, engine, i: int) -> None:
+        """Make slot i the engine's: park the active slot's fields, take slot i's (a new slot gets
+        a fresh cache); then empty idle slots past the byte cap."""
+        self.clock += 1
+        if i != self.active:
+            parked = self.slots[self.active] or Slot(engine.cache)
+            for name in Slot.FIELDS:
+                setattr(parked, name, getattr(engine, name))
+            self.slots[self.active] = parked
+            slot = self.slots[i] or Slot(ModelCache(engine.model))
+            for name in Slot.FIELDS:
+                setattr(engine, name, getattr(slot, name))
+            self.slots[i], self.active = slot, i
+        if self.slots[i] is not None:
+            self.slots[i].used = self.clock
+        self._evict()
+
+    def _evict(self) -> None:
+        idle = sorted((s.used, i) for i, s in enumerate(self.slots) if s is not None and i != self.active)
+        total = sum(self.slots[i].nbytes() for _, i in idle)
+        for _, i in idle:
+            if total <= self.max_bytes:
+                break
+            total -= self.slots[i].nbytes()
+            self.slots[i] = None
+
+    def clear(self, keep_caches: bool = False) -> None:
+        """Forget the idle slots (keep_caches: keep their caches, forget what the drafter saw)."""
+        for i, s in enumerate(self.slots):
+            if s is None or i == self.active:
+                continue
+            if keep_caches:
+                s.history, s.learned = [], set()
+            else:
+                self.slots[i] = None
+
+    def describe(self, current: list[int]) -> list[dict]:
+        """Each slot's cached tokens (`current`: the active slot's)."""
+        return [{"id": i, "n_cached": len(current) if i == self.active else len(s.cached) if s is not None else 0,
+                 "active": i == self.active} for i, s in enumerate(self.slots)]
