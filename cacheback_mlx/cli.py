@@ -359,6 +359,8 @@ def doctor(model_spec, drafter, drafter_args):
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
     click.echo(f"malloc: {malloc.status}")
+    if mx.default_device().type == mx.DeviceType.gpu:
+        click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} (MLX_ENABLE_TF32; CUDA float32 matmuls)")
     click.echo(f"draft budget: chosen per pass from the measured pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
     if model_spec is not None:

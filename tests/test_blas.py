@@ -91,3 +91,18 @@ def test_importing_mlx_first_warns_that_matmuls_will_be_slow():
         print([str(w.message) for w in seen if w.category is RuntimeWarning])
     """)
     assert "reference BLAS" in out and "import cacheback_mlx first" in out, out
+
+
+@pytest.mark.parametrize("given, expected", [(None, "0"), ("1", "1")])
+def test_tf32_is_off_unless_the_user_turns_it_on(given, expected):
+    """MLX's CUDA backend would run several-row float32 matmuls in TF32 and one-row ones in full
+    float32 (verify passes and plain decoding rounding differently): the package turns it off
+    before MLX loads, and leaves a user's own setting alone."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    if given is not None:
+        env["MLX_ENABLE_TF32"] = given
+    code = "import os, cacheback_mlx, mlx.core; print(os.environ['MLX_ENABLE_TF32'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
