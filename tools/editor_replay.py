@@ -439,7 +439,7 @@ def main(argv=None) -> None:
                     help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
     ap.add_argument("--slots", type=int_list, default=[None],
                     help="server option slots (serve --slots): sequences whose caches are kept at once "
-                         "(default: the library's, one); several, comma-separated: side by side")
+                         "(default: serve's, 4); several, comma-separated: side by side")
     ap.add_argument("--flip", type=Path, default=None,
                     help="a second file, edited by turns with --file: one completion in each in turn (an "
                          "editor flipping between two files; its blocks are picked with seed + 1)")

@@ -22,11 +22,11 @@ from .core import BodyGuard, Context, Generator, error
 
 def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20, strict_infill: bool = False,
                keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True,
-               infill_extra: int | None = 0, slots: int | None = None) -> FastAPI:
+               infill_extra: int | None = 0, slots: int | None = 4) -> FastAPI:
     """batch bounds /infill prompts the way llama.cpp's batch size does (prefix 3/4, suffix 1/4);
     infill_extra: tokens of extra chunks in a prefix-only /infill prompt (None: all that fit; fim.py);
     slots: sequences whose caches are kept at once, e.g. one per file an editor flips between
-    (slots.py; None: as the session's engine has them).
+    (slots.py; serve's default; None: as the session's engine has them).
     To measure what they bring: keep_drafter=False gives every request a fresh drafter,
     stable_prefix=False cuts /infill prefixes at their last lines that fit (fim.py)."""
     loaded = session.loaded
