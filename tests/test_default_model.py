@@ -108,3 +108,20 @@ def test_editor_context_segments_are_lossless_on_the_default_model(default_model
         out = [t for step in eng.generate(ids, N, context=chunks + [list(truth[-8:])]) for t in step]
         assert out == truth, mode
         assert eng.stats.passes < N, mode
+
+
+def test_two_sequences_in_slots_are_lossless_on_the_default_model(default_model, plain_outputs):
+    """Slots (an editor flipping between two files): both sequences by turns, each continuing in
+    its own cache with auto drafting, token for token plain greedy decoding; the return to each
+    prefills only its new tokens."""
+    eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length,
+                 slots=2)
+    (a, truth_a), (b, truth_b) = plain_outputs["chat"], plain_outputs["raw"]
+    half = N // 2
+    assert [t for s in eng.generate(a, half) for t in s] == truth_a[:half]
+    assert [t for s in eng.generate(b, half) for t in s] == truth_b[:half]
+    for ids, truth in ((a, truth_a), (b, truth_b)):
+        turn = ids + truth[:half]
+        out = [t for s in eng.generate(turn, N - half) for t in s]
+        assert out == truth[half:]
+        assert eng.stats.prefill_tokens <= 1  # the previous reply's last token at most

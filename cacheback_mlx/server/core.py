@@ -142,7 +142,7 @@ class Job:
     hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
     timings: dict = field(default_factory=dict)
     truncated: bool = False
-    slot: int | None = None  # the engine slot to run in (None: chosen, slots.py); then the one used
+    slot: int = 0  # the engine slot it ran in (slots.py), reported as llama.cpp's id_slot
 
     @property
     def finish_reason(self) -> str:
@@ -175,7 +175,7 @@ class Generator:
         ids, cut = self.session.fit(job.ids, job.max_tokens or 1)
         if cut:
             job.ids, job.truncated = ids, True
-        self.session.engine.check(job.ids, job.max_tokens, job.slot)
+        self.session.engine.check(job.ids, job.max_tokens)
 
     def steps(self, job: Job, offset: int = 0) -> Iterator[str]:
         """Text pieces as they become final (stop strings and rules applied), one per engine step
@@ -184,15 +184,14 @@ class Generator:
             self.session.fresh_drafter()
         engine = self.session.engine
         if job.max_tokens == 0:
-            engine.prefill_only(job.ids, job.context, job.slot)
+            engine.prefill_only(job.ids, job.context)
             job.stop_type, job.timings, job.slot = "limit", self.timings(job, prefill_only=True), engine.slots.active
             return
         stops = job.sampling.stops()
         hold = max((len(s) - 1 for s in stops), default=0)
         text, sent = "", 0
         job.stop_type = "eos"
-        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context,
-                                         slot=job.slot)
+        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context)
         try:
             raw = ""
             for piece, _ in pieces:

@@ -71,7 +71,7 @@ def router(ctx: Context) -> APIRouter:
 
     def result(job: Job, index: int = 0, fim: bool | None = None) -> dict:
         t = job.timings
-        out = {"index": index, "content": job.text, "id_slot": job.slot or 0, "stop": True, "model": ctx.model_id,
+        out = {"index": index, "content": job.text, "id_slot": job.slot, "stop": True, "model": ctx.model_id,
                "tokens_predicted": t.get("predicted_n", 0), "tokens_evaluated": len(job.ids),
                "tokens_cached": len(job.ids) + t.get("predicted_n", 0), "truncated": job.truncated,
                "stop_type": job.stop_type, "has_new_line": "\n" in job.text, "timings": t}
@@ -84,7 +84,7 @@ def router(ctx: Context) -> APIRouter:
             def event(piece: str, done: bool) -> dict:
                 if done:
                     return result(job, fim=fim) | {"content": ""}
-                return {"index": 0, "content": piece, "stop": False, "id_slot": job.slot or 0}
+                return {"index": 0, "content": piece, "stop": False, "id_slot": job.slot}
 
             return StreamingResponse(gen.stream(request, job, event, done_marker=False), media_type="text/event-stream")
         runs = await gen.complete(request, job, req.n_cmpl)
