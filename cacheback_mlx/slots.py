@@ -114,8 +114,3 @@ class Slots:
                 s.history, s.learned = [], set()
             else:
                 self.slots[i] = None
-
-    def describe(self, current: list[int]) -> list[dict]:
-        """Each slot's cached tokens (`current`: the active slot's)."""
-        return [{"id": i, "n_cached": len(current) if i == self.active else len(s.cached) if s is not None else 0,
-                 "active": i == self.active} for i, s in enumerate(self.slots)]
