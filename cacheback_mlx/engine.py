@@ -4,7 +4,8 @@ The engine owns a model's caches (kvcache.ModelCache; a set per slot when it kee
 sequences at once, slots.py) and knows no particular drafter: any Drafter proposes a DraftTree,
 which goes through the model in one pass (verify.verify_pass); the longest root path whose tokens
 the model itself picks is accepted, plus the model's own token after it (the bonus); the rest of
-the cache is rolled back (ModelCache.finish_pass); the drafter then learns the accepted tokens. A step with an empty draft is a plain one-token decoding step.
+the cache is rolled back (ModelCache.finish_pass); the drafter then learns the accepted tokens.
+A step with an empty draft is a plain one-token decoding step.
 
 Models with recurrent layers get chain drafts, and so do models with position-dependent code the
 engine cannot place in a tree (positions.py). A recurrent state cannot be cut back, so a pass on
@@ -289,10 +290,8 @@ class Engine:
         self.slots.clear()
         self.slots = Slots(n, max_bytes)
 
-    def check(self, prompt: Sequence[int], max_tokens: int = 1, slot: int | None = None) -> list[int]:
+    def check(self, prompt: Sequence[int], max_tokens: int = 1) -> list[int]:
         """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
-        if slot is not None and slot >= self.slots.n:
-            raise CachebackError(f"id_slot must be in [0, {self.slots.n}) or -1 (got {slot})")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise CachebackError("empty prompt")
@@ -308,7 +307,7 @@ class Engine:
     def prefill_only(self, prompt: Sequence[int], context=(), slot: int | None = None) -> None:
         """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
         the next request that starts with this prompt only prefills what follows it."""
-        prompt = self.check(prompt, 0, slot)
+        prompt = self.check(prompt, 0)
         self.stats = Stats(prompt_tokens=len(prompt))
         self._start(prompt, context, slot=slot)
 
@@ -317,7 +316,7 @@ class Engine:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
         editor's chunks and the code below the cursor; start_request). `slot`: see _start."""
-        prompt = self.check(prompt, max_tokens, slot)
+        prompt = self.check(prompt, max_tokens)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")
         max_tokens = min(max_tokens, self.context_length - len(prompt))

@@ -8,7 +8,7 @@ its cache and continues its history. The drafter's tables stay shared: what one 
 helps the others.
 
 Which slot a request takes (as llama.cpp's server picks among its slots by prompt similarity):
-the one given (`id_slot`), else the slot whose cached tokens share the longest prefix with the
+the one asked for (the engine's `slot=`), else the slot whose cached tokens share the longest prefix with the
 prompt, if that prefix is at least half of the shorter of the two (so a chat turn that pastes a
 long text still continues its conversation, and a prompt that only shares a BOS token or a
 system prompt does not take over another sequence's slot); else an empty slot; else the one
@@ -61,7 +61,7 @@ class Slots:
         """The slot for `prompt` (`current`: the active slot's cached tokens)."""
         if want is not None and want >= 0:
             if want >= self.n:
-                raise CachebackError(f"id_slot must be in [0, {self.n}) (got {want})")
+                raise CachebackError(f"slot must be in [0, {self.n}) or -1 (got {want})")
             return want
         if self.n == 1:
             return 0

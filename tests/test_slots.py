@@ -33,7 +33,7 @@ def test_choice_continues_a_sequence_takes_an_empty_slot_then_the_least_recent()
     assert s.choose(A[:1] + B, A) == 1  # one shared token (a BOS) is not a continuation
     assert s.choose(A + list(range(40)), A) == 0  # a long paste still continues its sequence
     assert s.choose(B, A, want=0) == 0
-    with pytest.raises(CachebackError, match=r"^id_slot must be in \[0, 2\)"):
+    with pytest.raises(CachebackError, match=r"^slot must be in \[0, 2\)"):
         s.choose(B, A, want=2)
     assert Slots(1).choose(B, A) == 0
 
@@ -68,8 +68,8 @@ def test_slot_asked_for_is_used_and_a_bad_one_is_a_one_line_error(tiny_model):
     assert eng.slots.active == 0 and eng.stats.prefill_tokens == len(A)  # slot 0 had nothing
     for bad in (3, 7):
         with pytest.raises(CachebackError) as e:
-            eng.check(A, 4, slot=bad)
-        assert "\n" not in str(e.value) and "id_slot" in str(e.value)
+            gen(eng, A, slot=bad)
+        assert "\n" not in str(e.value) and str(e.value).startswith("slot must be in [0, 3)")
 
 
 def test_byte_cap_empties_idle_slots_and_resets_forget_them(tiny_model):
