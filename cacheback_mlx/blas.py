@@ -138,3 +138,41 @@ def preload_openblas() -> str:
             except OSError as e:
                 status = f"failed: {e}"
     return status
+
+
+# The weights' layout in memory. MLX computes a linear layer as x @ W.T with W stored [out, in];
+# it reaches OpenBLAS as an sgemm with B transposed, which for the few rows of a decoding pass is
+# ~30% slower here than the same product with B stored [in, out] (docs/BENCHMARKS.md §15). Storing
+# each weight as the transposed view of an [in, out] copy keeps its shape and values (code that reads
+# `.weight` sees the same array) and turns W.T into a plain row-major matrix. The products are
+# bitwise the same (tests/test_blas.py); only the speed changes.
+LAYOUT_ENV = "CACHEBACK_MLX_WEIGHT_LAYOUT"
+
+
+def weight_layout_wanted() -> bool:
+    """Whether to store weights transposed: OpenBLAS loaded, MLX on the CPU, not turned off."""
+    import mlx.core as mx
+
+    return (os.environ.get(LAYOUT_ENV, "1") != "0" and status.startswith("loaded")
+            and mx.default_device() == mx.cpu)
+
+
+def transpose_weights(model) -> int:
+    """Store every float32 Linear and Embedding weight of `model` as the transposed view of an
+    [in, out] copy, one at a time (peak memory: one extra matrix); returns how many. Calling it
+    again changes nothing (a weight already stored so is its own [in, out] copy's view)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    done = 0
+    for _, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or "weight" not in module:
+            continue
+        w = module.weight
+        if w.ndim != 2 or w.dtype != mx.float32:
+            continue
+        t = mx.contiguous(w.T)
+        mx.eval(t)
+        module.weight = t.T
+        done += 1
+    return done

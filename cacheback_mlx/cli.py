@@ -358,6 +358,8 @@ def doctor(model_spec, drafter, drafter_args):
 
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
+    if blas.weight_layout_wanted():
+        click.echo(f"weights: float32 ones stored [in, out], the layout OpenBLAS multiplies fastest ({blas.LAYOUT_ENV}=0: as loaded)")
     click.echo(f"malloc: {malloc.status}")
     if mx.default_device().type == mx.DeviceType.gpu:
         click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} (MLX_ENABLE_TF32; CUDA float32 matmuls)")

@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import blas
 from . import models as manifests
 from .errors import CachebackError
 from .gguf import load_gguf_model, meta_value
@@ -90,7 +91,15 @@ def _fetch_default(info: dict, path: Path) -> None:
 
 def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:
     """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
-    folder, or a Hugging Face repo id ("org/name")."""
+    folder, or a Hugging Face repo id ("org/name"). On the CPU with OpenBLAS its float32 weights
+    are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights)."""
+    loaded = _load(model, dtype)
+    if blas.weight_layout_wanted():
+        blas.transpose_weights(loaded.model)
+    return loaded
+
+
+def _load(model: str | os.PathLike | None, dtype: str | None) -> LoadedModel:
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise CachebackError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")

@@ -106,3 +106,83 @@ def test_tf32_is_off_unless_the_user_turns_it_on(given, expected):
     code = "import os, cacheback_mlx, mlx.core; print(os.environ['MLX_ENABLE_TF32'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+
+
+def _column_major(w) -> bool:
+    strides = memoryview(w).strides  # no copy: the array's own layout
+    return strides[0] < strides[1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_stored_transposed_give_bitwise_the_same_passes(tied):
+    """blas.transpose_weights stores each float32 Linear / Embedding weight as the transposed view
+    of an [in, out] copy (OpenBLAS multiplies x @ W.T faster so): the same shapes and values,
+    bitwise the same logits for passes of 1 to 40 rows over a cache, and a second call changes
+    nothing."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+
+    from cacheback_mlx import blas
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    def build():
+        mx.random.seed(3)
+        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=160,
+                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
+                               tie_word_embeddings=tied)
+        model = llama.Model(args)
+        model.update(tree_map(lambda w: w * 3.0, model.parameters()))
+        mx.eval(model.parameters())
+        return model
+
+    stock, moved = build(), build()
+    n = blas.transpose_weights(moved)
+    assert n == 2 * 7 + 1 + (0 if tied else 1)  # 7 linears a layer, the embedding, an untied head
+    assert blas.transpose_weights(moved) == n
+    pairs = zip(tree_flatten(stock.parameters()), tree_flatten(moved.parameters()))
+    for (name, a), (_, b) in pairs:
+        assert a.shape == b.shape and np.array_equal(np.array(a), np.array(b)), name
+    assert _column_major(moved.model.layers[0].mlp.up_proj.weight)
+    assert not _column_major(stock.model.layers[0].mlp.up_proj.weight)
+
+    rng = np.random.default_rng(0)
+    caches = [ModelCache(m) for m in (stock, moved)]
+    context = rng.integers(0, 300, 70).tolist()
+    for m, c in zip((stock, moved), caches):
+        prefill(m, c, context)
+    for rows in (1, 2, 8, 17, 40):
+        lead = rng.integers(0, 300, rows).tolist()
+        out = [np.array(verify_pass(m, c, lead, DraftTree.empty())) for m, c in zip((stock, moved), caches)]
+        assert np.array_equal(out[0], out[1]), rows
+        for c in caches:
+            c.trim(len(context))
+
+
+def test_the_loader_stores_weights_transposed_on_the_cpu_unless_turned_off(tmp_path):
+    from conftest import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    code = f"""
+        import cacheback_mlx, mlx.core as mx
+        from cacheback_mlx import blas
+        from cacheback_mlx.loader import load
+        m = load({str(path)!r}).model
+        w = m.model.layers[0].self_attn.q_proj.weight
+        s = memoryview(w).strides
+        print(blas.weight_layout_wanted(), s[0] < s[1])
+    """
+    on = run_py(code).split()
+    off = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "CACHEBACK_MLX_WEIGHT_LAYOUT": "0"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["False", "False"]
+    import cacheback_mlx.blas as blas
+    if blas.status.startswith("loaded"):  # Linux x86_64 with OpenBLAS: the layout is used
+        assert on == ["True", "True"]
+    else:
+        assert on == ["False", "False"]

@@ -227,11 +227,11 @@ def test_rebuilding_an_index_at_every_length_makes_few_ctypes_types():
 
 
 SSD_SERVER_LOOP = """
-import os, random, sys, tempfile
+import os, random, sys
 from concurrent.futures import ThreadPoolExecutor
 import cacheback_mlx
 from cacheback_mlx.drafters.ssd import SsdDrafter
-s = SsdDrafter(path=os.path.join(tempfile.mkdtemp(), "ssd"))
+s = SsdDrafter(path=os.path.join(sys.argv[1], "ssd"))
 rng, pool = random.Random(0), ThreadPoolExecutor(8)  # requests end on a server's worker threads
 def request():
     s.observe([rng.randrange(3, 200) for _ in range(rng.randrange(60, 140))])
@@ -249,12 +249,12 @@ print(rss() - start, len(s.buffer), cacheback_mlx.malloc.status)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_ssd_rebuilds_on_worker_threads_keep_memory_flat():
+def test_ssd_rebuilds_on_worker_threads_keep_memory_flat(tmp_path):
     """SSD re-indexes after every request in a new thread, with arrays a little bigger each time;
     with glibc's dynamic mmap threshold those came from malloc arenas and were never given back
     (~150 bytes of resident memory per token served). malloc.py fixes the threshold; what is left
     is the buffer and its index themselves (~20 bytes per token). Fresh process: clean malloc."""
-    out = subprocess.run([sys.executable, "-c", SSD_SERVER_LOOP], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SSD_SERVER_LOOP, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     grown, tokens, status = out.stdout.split(maxsplit=2)
     if "not glibc" in status:

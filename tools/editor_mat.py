@@ -27,11 +27,13 @@ from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.replay import replay_requests
 
 
-def make_auto(persist: bool):
+def make_auto(persist: bool, root: str, made: list):
     """auto as a server makes it (the shipped frozen table and datastore), SSD in a temporary store
-    of its own (persist=False: nothing on disk, as the fresh baseline)."""
+    of its own under `root` (persist=False: nothing on disk, as the fresh baseline); each drafter
+    made is appended to `made` (to be closed)."""
     def make():
-        d = AutoDrafter(ssd_path=tempfile.mkdtemp(prefix="editor-mat-"), persist=persist)
+        d = AutoDrafter(ssd_path=tempfile.mkdtemp(prefix="ssd-", dir=root), persist=persist)
+        made.append(d)
         return Waiting(d)
     return make
 
@@ -75,9 +77,13 @@ def main(argv=None) -> None:
         kinds = [r["kind"] for r in requests]
     except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"editor_mat: {args.record}: not a record of tools/editor_replay.py --record ({e})")
-    states = {"kept": replay_requests(make_auto(True), requests, args.budget),
-              "fresh": replay_requests(make_auto(False), requests, args.budget, fresh=True),
-              "none": replay_requests(NoDrafter, requests, args.budget)}
+    made: list = []
+    with tempfile.TemporaryDirectory(prefix="editor-mat-") as root:  # every drafter's store, removed after
+        states = {"kept": replay_requests(make_auto(True, root, made), requests, args.budget),
+                  "fresh": replay_requests(make_auto(False, root, made), requests, args.budget, fresh=True),
+                  "none": replay_requests(NoDrafter, requests, args.budget)}
+        for d in made:  # their last writes land before the folder goes
+            d.close()
     print(f"## Editor session, drafting replayed offline (budget {args.budget})\n")
     print(f"`.venv/bin/python tools/editor_mat.py {args.record.name} --budget {args.budget}`; "
           f"recorded by `tools/editor_replay.py {log.get('command', '')}`\n")

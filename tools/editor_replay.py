@@ -244,7 +244,8 @@ def record_engine(engine, log: list[dict], tag: dict) -> None:
     engine.generate, engine.prefill_only = gen, pre
 
 
-def run_state(events, session, keep: bool, args, infill_extra: int | None = None, slots: int | None = None) -> dict:
+def run_state(events, session, keep: bool, args, infill_extra: int | None = None, slots: int | None = None,
+              batch: int | None = None) -> dict:
     from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
 
@@ -255,6 +256,8 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
         opts["infill_extra"] = None if infill_extra < 0 else infill_extra
     if slots is not None:
         opts["slots"] = slots
+    if batch is not None:
+        opts["batch"] = batch
     engine = session.engine
 
     def fresh():  # emulates keep_drafter=False on a server without it
@@ -411,6 +414,8 @@ def header(args, path: Path, session) -> None:
     if args.flip:
         print(f"- flipping by turns with {args.flip.name} ({args.blocks} blocks of its own, seed {args.seed + 1}): "
               f"one completion in each file in turn")
+    if args.batch_size != [None]:
+        print(f"- server batch size: {' / '.join('default' if n is None else str(n) for n in args.batch_size)}")
     if args.slots != [None]:
         print(f"- server slots: {' / '.join('default' if n is None else str(n) for n in args.slots)}")
     print("- first line ms is an estimate: latency less the decode time after the reply's first newline\n")
@@ -440,6 +445,9 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int_list, default=[None],
                     help="server option slots (serve --slots): sequences whose caches are kept at once "
                          "(default: serve's, 4); several, comma-separated: side by side")
+    ap.add_argument("--batch-size", type=int_list, default=[None],
+                    help="server option batch (serve --batch-size): bounds the prompt, prefix <= 3/4 of it "
+                         "(default: serve's); several, comma-separated: side by side")
     ap.add_argument("--flip", type=Path, default=None,
                     help="a second file, edited by turns with --file: one completion in each in turn (an "
                          "editor flipping between two files; its blocks are picked with seed + 1)")
@@ -464,22 +472,25 @@ def main(argv=None) -> None:
         events = interleave(events, flip, args.blocks)
     states = ["kept", "fresh"] if args.state == "both" else [args.state]
     results = {}
-    variants = [(e, n) for e in args.infill_extra for n in args.slots]
-    for extra, slots in variants:
-        for state in states:
-            # SSD starts from an empty store of its own, not from what this machine served before
-            store = {k: tempfile.mkdtemp(prefix="replay-ssd-") for k in ("ssd_path", "path")
-                     if k in drafter_parameters(args.drafter)}
-            session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
-            if not results:
-                header(args, path, session)
-            label = ", ".join([state] + ([f"infill-extra {extra}"] if len(args.infill_extra) > 1 else [])
-                              + ([f"slots {slots}"] if len(args.slots) > 1 else []))
-            results[label] = run_state(events, session, state == "kept", args, extra, slots)
-            if args.record and len(results) == 1:
-                args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": label,
-                                                   "model": session.loaded.name, "requests": results[label]["log"]}))
-            del session
+    variants = [(e, n, b) for e in args.infill_extra for n in args.slots for b in args.batch_size]
+    with tempfile.TemporaryDirectory(prefix="replay-") as root:  # the drafters' stores, removed after
+        for extra, slots, batch in variants:
+            for state in states:
+                # SSD starts from an empty store of its own, not from what this machine served before
+                store = {k: tempfile.mkdtemp(prefix="ssd-", dir=root) for k in ("ssd_path", "path")
+                         if k in drafter_parameters(args.drafter)}
+                session = Session(args.model, args.drafter, draft_budget=args.draft_budget, **store)
+                if not results:
+                    header(args, path, session)
+                label = ", ".join([state] + ([f"infill-extra {extra}"] if len(args.infill_extra) > 1 else [])
+                                  + ([f"slots {slots}"] if len(args.slots) > 1 else [])
+                                  + ([f"batch {batch}"] if len(args.batch_size) > 1 else []))
+                results[label] = run_state(events, session, state == "kept", args, extra, slots, batch)
+                if args.record and len(results) == 1:
+                    args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": label,
+                                                       "model": session.loaded.name, "requests": results[label]["log"]}))
+                session.engine.drafter.close()  # its last write lands before the folder goes
+                del session
 
     cols = ["state", "third", "requests", "prompt tok", "reused %", "latency ms", "first line ms", "tok/pass",
             "tok/pass with follow-ups", "first line right %", "first line match %"]
