@@ -340,3 +340,21 @@ def test_two_sequences_in_two_slots_equal_mlx_lm(family):
         out, _ = run(model, RandomTreeDrafter(turn, truth, seed=10), prompt=turn, n=12, engine=eng)
         assert out == truth, (name, key, "return")
         assert eng.stats.prefill_tokens <= 2 + 12, (name, key)  # the new tokens (+ an undone lead), not all
+
+
+def test_weights_stored_transposed_equal_mlx_lm_on_the_loaded_layout(family):
+    """The loader stores float32 weights transposed for OpenBLAS (blas.transpose_weights): on every
+    family, a copy so stored gives bitwise the same logits as the model as built, and the engine on
+    it, with random trees, the same tokens as mlx-lm's greedy decoding on the model as built."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from cacheback_mlx import blas
+
+    name, model = family
+    moved = zoo.tiny_model(name)
+    assert blas.transpose_weights(moved) > 0, name
+    logits = [np.array(m(mx.array(PROMPT)[None], cache=make_prompt_cache(m))) for m in (model, moved)]
+    assert np.array_equal(*logits), name
+    truth = reference(model, PROMPT, N)
+    out, _ = run(moved, RandomTreeDrafter(PROMPT, truth, seed=11), draft_budget=16)
+    assert out == truth, name
