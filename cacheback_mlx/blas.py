@@ -171,8 +171,8 @@ def transpose_weights(model) -> int:
         w = module.weight
         if w.ndim != 2 or w.dtype != mx.float32:
             continue
-        t = mx.contiguous(w.T)
-        mx.eval(t)
-        module.weight = t.T
+        t = mx.contiguous(w.T).T
+        mx.eval(t)  # evaluated here: a lazy transpose would be evaluated on this thread's stream only
+        module.weight = t
         done += 1
     return done

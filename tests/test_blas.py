@@ -142,6 +142,15 @@ def test_weights_stored_transposed_give_bitwise_the_same_passes(tied):
     stock, moved = build(), build()
     n = blas.transpose_weights(moved)
     assert n == 2 * 7 + 1 + (0 if tied else 1)  # 7 linears a layer, the embedding, an untied head
+    # the weights are evaluated arrays: another thread (a server's worker) can use them (an array
+    # still to be evaluated belongs to the stream of the thread that made it)
+    import threading
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(np.array(moved(mx.array([[1, 2, 3]])))))
+    worker.start()
+    worker.join()
+    assert seen and np.array_equal(seen[0], np.array(stock(mx.array([[1, 2, 3]]))))
     assert blas.transpose_weights(moved) == n
     pairs = zip(tree_flatten(stock.parameters()), tree_flatten(moved.parameters()))
     for (name, a), (_, b) in pairs:
