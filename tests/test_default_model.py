@@ -44,6 +44,25 @@ def test_plain_engine_matches_mlx_lm(default_model, plain_outputs):
     assert ours == ref
 
 
+def test_weights_stored_transposed_match_mlx_lm_on_the_loaded_layout(default_model, plain_outputs, monkeypatch):
+    """The loader stores the weights [in, out] for OpenBLAS (blas.transpose_weights): the engine
+    on them gives mlx-lm's greedy tokens on the model loaded in its own layout."""
+    from cacheback_mlx import blas
+    from cacheback_mlx.loader import load
+
+    if not blas.weight_layout_wanted():
+        pytest.skip(f"the layout is not used here (openblas: {blas.status})")
+    q = default_model.model.model.layers[0].mlp.up_proj.weight
+    assert memoryview(q).strides[0] < memoryview(q).strides[1]  # stored [in, out]
+    monkeypatch.setenv(blas.LAYOUT_ENV, "0")
+    stock = load(None).model
+    w = stock.model.layers[0].mlp.up_proj.weight
+    assert memoryview(w).strides[0] > memoryview(w).strides[1]  # as loaded
+    for mode, (ids, ours) in plain_outputs.items():
+        ref = [int(t) for t, _ in generate_step(mx.array(ids), stock, max_tokens=N)]
+        assert ours == ref, mode
+
+
 @pytest.fixture(scope="module")
 def drafter_params(default_model, tmp_path_factory):
     """What drafters need beyond defaults: a small REST datastore, a private SSD buffer."""

@@ -80,12 +80,21 @@ def passes(models, contexts, rows, repeats):
             print(f"| {c} | {r} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {'yes' if same else 'NO'} |", flush=True)
 
 
-def session(models, record):
+def read_record(record: Path) -> list[dict]:
+    try:
+        requests = json.loads(record.read_text())["requests"]
+        if not all(isinstance(r, dict) and {"kind", "prompt", "out"} <= r.keys() for r in requests):
+            raise KeyError("a request without kind, prompt or out")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{record}: not a record of tools/editor_replay.py --record ({e})") from None
+    return requests
+
+
+def session(models, record: Path, requests: list[dict]):
     import tempfile
 
     from cacheback_mlx.api import Session
 
-    requests = json.loads(record.read_text())["requests"]
     with tempfile.TemporaryDirectory(prefix="layout-ab-") as root:
         sessions = {}
         for k, m in models.items():
@@ -134,12 +143,13 @@ def session(models, record):
 def main(model, contexts, rows, repeats, record):
     import mlx.core as mx
 
+    requests = None if record is None else read_record(record)  # a bad file fails before the models load
     models = two_copies(model)
     print(f"{models[LAYOUTS[0]].name}, {mx.default_device()}, {models[LAYOUTS[0]].dtype}\n")
     if record is None:
         passes(models, [int(x) for x in contexts.split(",")], [int(x) for x in rows.split(",")], repeats)
     else:
-        session(models, record)
+        session(models, record, requests)
 
 
 if __name__ == "__main__":
