@@ -39,7 +39,7 @@ stock = base.scaled_dot_product_attention
 MAGIC = 12582912.0  # 1.5 * 2^23: (y + MAGIC) - MAGIC rounds y to the nearest integer in float32
 
 
-def _exp_parts(x: mx.array, shift) -> tuple[mx.array, mx.array]:
+def exp_parts(x: mx.array, shift) -> tuple[mx.array, mx.array]:
     """For x <= shift: p(f) and the float32 bits of 2^n, with (x - shift) * log2(e) = n + f,
     |f| <= 1/2. The rounding adds and takes away 1.5 * 2^23 (ties to even, like mx.round) so the
     whole graph compiles to one vectorised loop (MLX's CPU round is a scalar call)."""
@@ -54,14 +54,14 @@ def _exp_parts(x: mx.array, shift) -> tuple[mx.array, mx.array]:
 
 # One elementwise kernel for every shape (a graph per shape would pile up in a long session).
 # The bit cast stays outside: a shapeless graph cannot hold a view.
-_compiled_parts = mx.compile(_exp_parts, shapeless=True)
+_compiled_parts = mx.compile(exp_parts, shapeless=True)
 
 
 def exp_nonpositive(x: mx.array, shift=0.0, parts=None) -> mx.array:
     """exp(x - shift) for x <= shift (a softmax's numerators, shift = the row's max); -inf gives 0.
     Within ~1e-7 relative of exp for x - shift >= -10; float32 range reduction limits it to ~4e-6
     near the bottom of the normal range (~ -87), where the values are < 1e-37."""
-    p, bits = (parts or _exp_parts)(x, shift)
+    p, bits = (parts or exp_parts)(x, shift)
     return p * bits.view(mx.float32)
 
 
@@ -72,10 +72,10 @@ def _fused_exp(x: mx.array, shift=0.0) -> mx.array:
     try:
         return exp_nonpositive(x, shift, _compiled_parts)
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel: the uncompiled ops
-        if _compiled_parts is _exp_parts:
+        if _compiled_parts is exp_parts:
             raise
         print(f"cacheback-mlx: no compiled exp kernel ({type(e).__name__}: {e}); using plain ops", file=sys.stderr)
-        _compiled_parts = _exp_parts
+        _compiled_parts = exp_parts
         return exp_nonpositive(x, shift)
 
 

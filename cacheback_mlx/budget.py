@@ -475,12 +475,13 @@ def cpu_name() -> str:
 
 def cost_path(model_key: str) -> Path:
     """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx,
-    attention.py's CPU attention: off, or which version of it, the weights' layout (blas.py) and
+    attention.py's CPU attention: off, or which version of it, activations.py's SwiGLU, the weights' layout (blas.py) and
     this file's format)."""
-    from . import attention, blas
+    from . import activations, attention, blas
 
     ident = "|".join([FORMAT, model_key, str(mx.default_device()), cpu_name(), mx.__version__]
                      + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"]
+                     + ([f"swiglu/{activations.VERSION}"] if activations.enabled else [])
                      + (["weights [in, out]"] if blas.weight_layout_wanted() else []))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from . import attention
+from . import activations, attention
 from .errors import CachebackError
 from .positions import TreePass, attach_tree_pass, model_family, model_modules
 
@@ -184,6 +184,7 @@ class ModelCache:
         self.family = model_family(model)
         self.tree_pass = attach_tree_pass(model)
         attention.install(model_modules(model))
+        activations.install(model_modules(model))
         raw = make_prompt_cache(model)
         self.layers = [wrap(c, self.tree_pass, self.family) for c in raw]
         leaves = list(_leaves(self.layers))

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas
+from . import blas, malloc
 from . import models as manifests
 from .errors import CachebackError
 from .gguf import load_gguf_model, meta_value
@@ -92,10 +92,12 @@ def _fetch_default(info: dict, path: Path) -> None:
 def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:
     """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
     folder, or a Hugging Face repo id ("org/name"). On the CPU with OpenBLAS its float32 weights
-    are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights)."""
+    are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights), and MLX
+    may keep more freed buffers for reuse (malloc.raise_mlx_cache_limit)."""
     loaded = _load(model, dtype)
     if blas.weight_layout_wanted():
         blas.transpose_weights(loaded.model)
+    malloc.raise_mlx_cache_limit()  # after: the weights' replaced copies are not kept in the cache
     return loaded
 
 

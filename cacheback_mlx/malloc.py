@@ -8,10 +8,17 @@ from the threads' malloc arenas instead, and the holes they leave are never reus
 server's resident memory then grew ~2 MB per second under the soak test (docs/BENCHMARKS.md §10b),
 with no Python object and no MLX buffer growing. Setting the threshold explicitly turns the
 dynamic adjustment off, as glibc documents (mallopt(3)); blocks of 1 MiB and more are then always
-mapped and unmapped whole. MLX keeps its own buffer cache, so its arrays are not affected.
+mapped and unmapped whole.
+
+MLX keeps freed buffers in its own cache for reuse, but on Linux's CPU backend that cache is
+limited to 32 MB. A prefill chunk of 512 rows frees more than that per layer, so its buffers went
+back to malloc, which unmapped them: 56,000-600,000 page faults to prefill 1,050 tokens of the
+default model (0.2-2.4 GB faulted in again). `raise_mlx_cache_limit` (called by the loader on the
+CPU, after the weights are in place) lifts the limit to 256 MB: then a few hundred faults once the
+cache is warm, and the prefill is faster (docs/BENCHMARKS.md §16).
 
 Only on Linux with glibc; left alone when the user set MALLOC_MMAP_THRESHOLD_ themselves, or with
-CACHEBACK_MLX_MALLOC=0.
+CACHEBACK_MLX_MALLOC=0 (which leaves MLX's cache limit alone too).
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 THRESHOLD = 1 << 20
+MLX_CACHE = 256 << 20  # bytes of freed buffers MLX keeps for reuse on the CPU, at least
 
 status: str = "not attempted"
 """What happened, for `cacheback-mlx doctor` and the tests."""
+mlx_cache: str = "MLX's default"
+"""The limit of MLX's buffer cache, for `cacheback-mlx doctor`."""
 
 
 def fix_mmap_threshold(threshold: int = THRESHOLD) -> str:
@@ -48,3 +58,25 @@ def fix_mmap_threshold(threshold: int = THRESHOLD) -> str:
         except (OSError, AttributeError) as e:
             status = f"not glibc ({e})"
     return status
+
+
+def raise_mlx_cache_limit(limit: int = MLX_CACHE) -> int:
+    """On MLX's CPU device, let MLX keep at least `limit` bytes of freed buffers (never lowers a
+    larger limit: Metal's is most of the memory). Returns the limit now in force."""
+    import mlx.core as mx
+
+    global mlx_cache
+    if os.environ.get("CACHEBACK_MLX_MALLOC", "1") == "0" or mx.default_device() != mx.cpu:
+        return _cache_limit(mx)
+    before = mx.set_cache_limit(limit)
+    if before > limit:
+        mx.set_cache_limit(before)
+    elif before < limit:
+        mlx_cache = f"{limit >> 20} MB (MLX's default here: {before >> 20} MB)"
+    return max(before, limit)
+
+
+def _cache_limit(mx) -> int:
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit

@@ -16,6 +16,7 @@ import bisect
 import mlx.core as mx
 import numpy as np
 
+from . import activations
 from .kvcache import ModelCache
 from .tree import DraftTree
 
@@ -66,7 +67,8 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
         tree_pass.set(mx.array(rel), mx.array(in_pass))
     cache.begin_pass()
     try:
-        logits = model(mx.array(tokens)[None], cache=cache.layers)
+        with activations.engine_pass():
+            logits = model(mx.array(tokens)[None], cache=cache.layers)
     finally:
         tree_pass.clear()
     return logits[0, lead_n - 1 : n]
@@ -80,6 +82,7 @@ def prefill(model, cache: ModelCache, tokens: list[int], chunk: int = PREFILL_CH
     for i in range(0, len(tokens), chunk):
         part = tokens[i : i + chunk]
         cache.begin_pass()
-        model(mx.array(part, dtype=mx.int32)[None], cache=cache.layers)
+        with activations.engine_pass():
+            model(mx.array(part, dtype=mx.int32)[None], cache=cache.layers)
         cache.advance(len(part))
         mx.eval(cache.arrays())

@@ -184,12 +184,14 @@ def test_the_loader_stores_weights_transposed_on_the_cpu_unless_turned_off(tmp_p
         w = m.model.layers[0].self_attn.q_proj.weight
         s = memoryview(w).strides
         print(blas.weight_layout_wanted(), s[0] < s[1])
+        print(mx.set_cache_limit(0) >> 20)  # MLX's buffer cache (malloc.raise_mlx_cache_limit)
     """
     on = run_py(code).split()
+    assert int(on.pop()) >= 256  # the loader raised it (test_malloc.py: why)
     off = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "CACHEBACK_MLX_WEIGHT_LAYOUT": "0"})
     assert off.returncode == 0, off.stderr
-    assert off.stdout.split() == ["False", "False"]
+    assert off.stdout.split()[:2] == ["False", "False"]
     import cacheback_mlx.blas as blas
     if blas.status.startswith("loaded"):  # Linux x86_64 with OpenBLAS: the layout is used
         assert on == ["True", "True"]
