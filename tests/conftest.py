@@ -13,6 +13,16 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
+from cacheback_mlx import activations
+
+
+@pytest.fixture(autouse=True)
+def fast_swiglu_on_every_pass(monkeypatch):
+    """The tiny models' MLPs are below activations.MIN_SIZE: take the threshold away, so every
+    engine pass of every family in these tests goes through activations.cpu_swiglu where the
+    family uses mlx-lm's SwiGLU (what the real model gets on passes of 4 rows or more)."""
+    monkeypatch.setattr(activations, "MIN_SIZE", 1)
+
 
 def tiny_llama(seed: int = 0, vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, traditional: bool = True):

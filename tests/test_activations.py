@@ -24,7 +24,8 @@ def test_close_to_mlx_lm_swiglu_over_the_whole_range():
         np.testing.assert_allclose(np.array(cpu_swiglu(g, g)), np.array(activations.stock(g, g)), rtol=1e-6, atol=1e-30)
 
 
-def test_used_only_inside_an_engine_pass_in_float32():
+def test_used_only_inside_an_engine_pass_in_float32(monkeypatch):
+    monkeypatch.setattr(activations, "MIN_SIZE", 4096)  # conftest takes it away for the other tests
     g = mx.array(np.random.default_rng(1).standard_normal((1, 8, 1024)).astype(np.float32)) * 4
     x = mx.ones_like(g)
     stock, fast = np.array(activations.stock(g, x)), np.array(cpu_swiglu(g, x))
@@ -48,9 +49,9 @@ def test_installed_in_the_model_modules_the_engine_builds_a_cache_for():
     assert llama.swiglu is activations.swiglu
 
 
-def test_engine_is_lossless_with_it_on_rows_large_enough_to_use_it(monkeypatch):
-    """A tiny model's MLP is too small for the size threshold: take it away, so every pass goes
-    through cpu_swiglu, and compare with mlx-lm's own greedy decoding (its stock SwiGLU)."""
+def test_engine_is_lossless_with_it_on_every_pass(monkeypatch):
+    """A tiny model's MLP is too small for the size threshold: without it (as conftest sets for
+    every test) every pass goes through cpu_swiglu; compare with mlx-lm's own greedy decoding."""
     from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
     from mlx_lm.generate import generate_step
 
