@@ -60,23 +60,16 @@ def fix_mmap_threshold(threshold: int = THRESHOLD) -> str:
     return status
 
 
-def raise_mlx_cache_limit(limit: int = MLX_CACHE) -> int:
-    """On MLX's CPU device, let MLX keep at least `limit` bytes of freed buffers (never lowers a
-    larger limit: Metal's is most of the memory). Returns the limit now in force."""
+def raise_mlx_cache_limit(limit: int = MLX_CACHE) -> None:
+    """On MLX's CPU device, let MLX keep at least `limit` bytes of freed buffers (a larger limit
+    is put back as it was; Metal and CUDA are left alone)."""
     import mlx.core as mx
 
     global mlx_cache
     if os.environ.get("CACHEBACK_MLX_MALLOC", "1") == "0" or mx.default_device() != mx.cpu:
-        return _cache_limit(mx)
+        return
     before = mx.set_cache_limit(limit)
     if before > limit:
         mx.set_cache_limit(before)
     elif before < limit:
         mlx_cache = f"{limit >> 20} MB (MLX's default here: {before >> 20} MB)"
-    return max(before, limit)
-
-
-def _cache_limit(mx) -> int:
-    limit = mx.set_cache_limit(0)
-    mx.set_cache_limit(limit)
-    return limit
