@@ -475,8 +475,8 @@ def cpu_name() -> str:
 
 def cost_path(model_key: str) -> Path:
     """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx,
-    attention.py's CPU attention: off, or which version of it, activations.py's SwiGLU, the weights' layout (blas.py) and
-    this file's format)."""
+    attention.py's CPU attention: off, or which version of it, activations.py's SwiGLU, the
+    weights' layout (blas.py) and this file's format)."""
     from . import activations, attention, blas
 
     ident = "|".join([FORMAT, model_key, str(mx.default_device()), cpu_name(), mx.__version__]

@@ -362,13 +362,13 @@ def doctor(model_spec, drafter, drafter_args):
         click.echo(f"weights: float32 ones stored [in, out], the layout OpenBLAS multiplies fastest ({blas.LAYOUT_ENV}=0: as loaded)")
     click.echo(f"malloc: {malloc.status}")
     malloc.raise_mlx_cache_limit()  # as the loader does
+    click.echo(f"MLX buffer cache: {malloc.mlx_cache}")
     if mx.default_device() == mx.cpu:
         from . import activations, attention
 
         on = [name for name, used in (("attention (CACHEBACK_MLX_FAST_ATTENTION)", attention.enabled),
                                       ("SwiGLU (CACHEBACK_MLX_FAST_SILU)", activations.enabled)) if used]
         click.echo(f"engine's CPU kernels: {', '.join(on) or 'none: MLX its own'}")
-    click.echo(f"MLX buffer cache: {malloc.mlx_cache}")
     if mx.default_device().type == mx.DeviceType.gpu:
         click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} (MLX_ENABLE_TF32; CUDA float32 matmuls)")
     click.echo(f"draft budget: chosen per pass from the measured pass cost, at most {MAX_DRAFT} "
