@@ -3,6 +3,8 @@
     .venv/bin/python tools/editor_replay.py --state kept --record /tmp/session.json   # record once
     .venv/bin/python tools/editor_mat.py /tmp/session.json --budget 7                 # then replay
 
+(tools/vim_typing.py --record writes the same kind of file, for llama.vim's requests key by key.)
+
 A benchmark, not a test. `editor_replay.py --record` logs every request its server's engine ran
 (completions, llama.vim's follow-ups and warm-ups) with the prompt, the text given to the drafter
 beside it, and the greedy tokens the model produced. This tool runs the drafters over that log as
@@ -86,7 +88,7 @@ def main(argv=None) -> None:
             d.close()
     print(f"## Editor session, drafting replayed offline (budget {args.budget})\n")
     print(f"`.venv/bin/python tools/editor_mat.py {args.record.name} --budget {args.budget}`; "
-          f"recorded by `tools/editor_replay.py {log.get('command', '')}`\n")
+          f"recorded by `{log.get('tool', 'tools/editor_replay.py')} {log.get('command', '')}`\n")
     print(f"- {kinds.count('fim')} completions, {kinds.count('follow-up')} follow-ups, "
           f"{kinds.count('warm')} warm-ups\n")
     print("| state | first third | middle | last third | all completions | follow-ups | last third with follow-ups |")

@@ -1,0 +1,105 @@
+"""tools/vim_typing.py's emulation of llama.vim's client (a1c8e6e), with a fake server: no model."""
+
+import random
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import vim_typing as vt  # noqa: E402
+from editor_replay import Ring  # noqa: E402
+
+sys.path.remove(str(TOOLS))
+
+
+class Server:
+    """Answers every request with `reply(body)` after `secs` seconds of the simulated clock."""
+
+    def __init__(self, reply, secs: float = 0.5):
+        self.reply, self.secs, self.sent = reply, secs, []
+
+    def __call__(self, kind, body):
+        self.sent.append((kind, body))
+        return {"content": self.reply(body)}, self.secs
+
+
+def editor(server, lines, y=1, x=0):
+    vim = vt.Vim(server, Ring(random.Random(0), "f.py"))
+    vim.lines, vim.y, vim.x = list(lines), y, x
+    vim.pos_y_pick = y  # no chunk picking in these tests
+    return vim
+
+
+def test_keys_while_a_request_is_in_flight_wait_for_it_then_one_request_for_the_cursor_then():
+    server = Server(lambda body: "", secs=0.5)
+    vim = editor(server, ["top", "", "bottom"])
+    vim.on_move()
+    assert len(server.sent) == 1 and server.sent[0][1]["prompt"] == ""
+    for i, ch in enumerate("abc"):  # keys at 0.1, 0.2, 0.3 s: the request is still running
+        vim.run_until(0.1 * (i + 1))
+        vim.lines[1] += ch
+        vim.x += 1
+        vim.on_move()
+    assert len(server.sent) == 1 and vim.timer is not None
+    vim.run_until(0.45)
+    assert len(server.sent) == 1  # the timer fired at 0.4 and found the request still running
+    vim.run_until(0.7)  # the reply lands at 0.5; the next request goes on a timer tick after it
+    assert len(server.sent) == 2
+    kind, body = server.sent[1]
+    assert body["prompt"] == "abc" and body["input_prefix"] == "top\n" and body["input_suffix"] == "\nbottom\n"
+    assert body["t_max_predict_ms"] == (1000 if kind == "follow-up" else 250)
+
+
+def test_a_cached_reply_whose_start_was_typed_is_shown_and_a_follow_up_asked_for():
+    server = Server(lambda body: "llo world\n" if body["prompt"] == "he" else "", secs=0.2)
+    vim = editor(server, ["top", "he", "bottom"], x=2)
+    vim.on_move()  # asks for "he"
+    vim.run_until(0.2)  # reply cached and shown; its follow-up waits for the request to end
+    assert vim.shown["content"] == ["llo world"] and vim.shown["can_accept"]
+    vim.run_until(0.35)  # the follow-up: the line as if the hint were accepted, 1 s to predict
+    kind, body = server.sent[-1]
+    assert kind == "follow-up" and body["prompt"] == "hello world" and body["t_max_predict_ms"] == 1000
+    vim.run_until(0.6)
+    vim.lines[1], vim.x = "hel", 3  # the user types "l": the cached reply shows on, one character shorter
+    n = len(server.sent)
+    vim.on_move()
+    assert vim.shown["content"] == ["lo world"]
+    assert server.sent[n][1]["prompt"] == "hel"  # llama#fim still asks for the new context
+    vim.run_until(1.0)
+    vim.lines[1], vim.x = "hex", 3  # a character the reply does not start with: nothing to show
+    server.reply = lambda body: ""
+    vim.on_move()
+    assert vim.shown is None
+
+
+def test_the_client_cache_answers_a_context_asked_before_without_a_request():
+    server = Server(lambda body: "pass\n", secs=0.1)
+    vim = editor(server, ["def f():", "    ", "x = 1"], x=4)
+    vim.on_move()
+    vim.run_until(1.0)
+    n = len(server.sent)
+    vim.on_move()  # the same context again: shown from the cache, no new request
+    assert len(server.sent) == n and vim.shown["content"] == ["pass"]
+
+
+def test_a_hint_that_repeats_the_line_below_is_not_shown():
+    vim = editor(Server(lambda body: ""), ["a", "", "    return x", "z"], x=0)
+    vim.render(0, 1, "    return x\n")
+    assert vim.shown["content"] == [""] and not vim.shown["can_accept"]
+    vim.lines[1] = "    "  # autoindented: the hint's indentation is taken off it
+    vim.render(4, 1, "    return x\n")
+    assert vim.shown["content"] == [""]
+    vim.render(4, 1, "    return y\n")
+    assert vim.shown["content"] == ["return y"] and vim.shown["line_cur"] == "    "
+
+
+def test_the_typist_accepts_a_hint_exactly_right_in_one_key_and_types_the_rest():
+    block = ["x = compute(1)", "y = x"]
+    replies = {"x = comp": "ute(1)\ny = x\n"}
+    server = Server(lambda body: replies.get(body["prompt"], ""), secs=0.05)
+    vim = editor(server, ["top", "bottom"], y=1)
+    typist = vt.Typist(vim, block, 1, cps=10)
+    typist.run()
+    assert vim.lines == ["top"] + block + ["bottom"]
+    assert typist.accepts == 1 and typist.accepted == len("ute(1)") + len("y = x")  # Tab: both lines
+    assert typist.typed == len("x = comp")  # 8 characters typed, the rest accepted
