@@ -101,5 +101,5 @@ def test_the_typist_accepts_a_hint_exactly_right_in_one_key_and_types_the_rest()
     typist = vt.Typist(vim, block, 1, cps=10)
     typist.run()
     assert vim.lines == ["top"] + block + ["bottom"]
-    assert typist.accepts == 1 and typist.accepted == len("ute(1)") + len("y = x")  # Tab: both lines
+    assert typist.accepts == 1 and typist.accepted == len("ute(1)\ny = x")  # Tab: both lines
     assert typist.typed == len("x = comp")  # 8 characters typed, the rest accepted

@@ -242,7 +242,7 @@ class Typist:
         if len(lines) > 1 and lines == self.block[i:i + len(lines)]:  # Tab: the whole hint
             vim.lines[vim.y:vim.y + 1] = lines
             vim.y, vim.x = vim.y + len(lines) - 1, len(lines[-1])
-            self.accepted += sum(map(len, lines)) - old
+            self.accepted += sum(map(len, lines)) + len(lines) - 1 - old  # with the new lines' newlines
         elif content[0] and lines[0] == self.block[i]:  # Shift-Tab: its first line
             vim.lines[vim.y] = lines[0]
             vim.x = len(lines[0])
