@@ -51,7 +51,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from editor_replay import (N_PREFIX, N_SUFFIX, OUR_FIELDS, RING_CHUNK, RING_SCOPE, VIM_FIELDS, Ring, default_file,
-                           field, med, pick_blocks, record_engine, table, thirds, tpp)
+                           field, med, pick_blocks, record_engine, table, thirds, tpp, warm_body)
 
 DEBOUNCE = 0.1  # llama#fim: a call while a request is in flight retries this much later
 MAX_CACHE, MAX_LINE_SUFFIX, LOOKBACK, PICK_MOVE = 250, 8, 128, 32  # llama.vim's defaults
@@ -300,9 +300,7 @@ def session(lines: list[str], filename: str, args, post) -> dict:
         vim.timer = None
         for _ in range(int(args.pause)):  # the ring takes a queued chunk a second, with a warm-up
             if ring.update():
-                post("warm", {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": ring.extra(),
-                              "prompt": "", "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False,
-                              "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]})
+                post("warm", warm_body(ring.extra()))
                 stats["warm"] += 1
         vim.run_until(vim.now + 1.0)
         if vim.job is not None:
