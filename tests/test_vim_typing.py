@@ -103,3 +103,19 @@ def test_the_typist_accepts_a_hint_exactly_right_in_one_key_and_types_the_rest()
     assert vim.lines == ["top"] + block + ["bottom"]
     assert typist.accepts == 1 and typist.accepted == len("ute(1)\ny = x")  # Tab: both lines
     assert typist.typed == len("x = comp")  # 8 characters typed, the rest accepted
+
+
+def test_vscode_waits_by_polls_answers_from_a_reply_whose_start_was_typed_and_shows_only_the_latest_call():
+    server = Server(lambda body: "llo world\n" if body["prompt"] == "he" else "", secs=0.2)
+    vs = vt.VSCode(server, Ring(random.Random(0), "f.py"))
+    vs.lines, vs.y, vs.x, vs.pos_y_pick = ["top", "he", "bottom"], 1, 2, 1
+    vs.on_move()  # the call for "he" sends a request at once
+    assert len(server.sent) == 1 and server.sent[0][1]["n_cmpl"] == 3 and server.sent[0][1]["t_max_predict_ms"] == 500
+    vs.run_until(0.1)
+    vs.lines[1], vs.x = "hel", 3  # a key while the request runs: the new call polls, the old one is cancelled
+    vs.on_move()
+    assert len(server.sent) == 1 and abs(vs.timer[0] - 0.25) < 1e-9
+    vs.run_until(0.2)
+    assert vs.shown is None  # the reply came for a cancelled call: cached, not shown
+    vs.run_until(0.3)  # the poll at 0.25 finds "hel" answered by the reply cached for "he"
+    assert len(server.sent) == 1 and vs.shown["content"] == ["lo world"]

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/vim_typing.py                                   # 4 blocks of 8 lines
     .venv/bin/python tools/vim_typing.py --blocks 1 --block-lines 2 --state kept   # smoke test
+    .venv/bin/python tools/vim_typing.py --client llama.vscode                     # llama.vscode's pattern
 
 A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. tools/editor_replay.py
 sends a completion every few lines; llama.vim (ggml-org/llama.vim a1c8e6e, autoload/llama.vim)
@@ -27,6 +28,10 @@ chunks takes one queued chunk a second then, each with its warm-up request, s:ri
 typing no chunk moves in, as llama.vim waits for 3 s without a move. Not modelled: the eviction of
 ring chunks similar to the cursor's surroundings, chunks picked on yank, save and buffer switches,
 typing mistakes and pauses inside a block, byte-wise (not character-wise) string slicing in Vim.
+
+`--client llama.vscode` emulates llama.vscode's provider instead (class VSCode: no follow-ups,
+a 150 ms poll, answers from its cache whenever a reply cached for fewer typed characters starts
+with the rest, n_cmpl 3 and t_max_predict_ms 500).
 
 The requests are served in this process (FastAPI's TestClient) one at a time: a request takes its
 measured wall time on the simulated clock while the keys go on. The kept state (the server's
@@ -140,7 +145,11 @@ class Vim:
                 "response_fields": VIM_FIELDS + OUR_FIELDS}
         resp, secs = self.post("follow-up" if prev else "fim", body)
         self.job = (self.now + secs, hashes, resp)
-        if abs(y - self.pos_y_pick) > PICK_MOVE:  # gather extra context when the cursor moved a lot
+        self.pick(y)
+
+    def pick(self, y: int) -> None:
+        """Gather extra context when the cursor has moved a lot since the last pick."""
+        if abs(y - self.pos_y_pick) > PICK_MOVE:
             y1, last = y + 1, len(self.lines)  # Vim's lines are 1-based
             self.ring.pick(self.lines[max(1, y1 - RING_SCOPE) - 1:max(1, y1 - N_PREFIX)], self.now)
             self.ring.pick(self.lines[min(last, y1 + N_SUFFIX) - 1:min(last, y1 + N_SUFFIX + RING_CHUNK)], self.now)
@@ -224,6 +233,64 @@ class Vim:
         self.now = t
 
 
+class VSCode(Vim):
+    """llama.vscode's inline completion provider (ggml-org/llama.vscode 3938fb3, src/completion.ts)
+    on the same buffer: VS Code calls it at every key and cancels the call before; a call waits,
+    polling every 150 ms, while a request is in flight (none is ever cancelled); it answers from
+    the client cache (the context, or one with fewer characters of the cursor line whose
+    completion starts with the rest), else sends one request: n_cmpl 3, top_p 0.99,
+    t_max_predict_ms 500 (package.json's defaults). The reply is cached whatever happens and shown
+    only when no key came since the call. No follow-ups; hints pass llama.vim's render rules here
+    (its shouldDiscardSuggestion has the same ones, as near as matters)."""
+
+    POLL = 0.15  # DELAY_BEFORE_COMPL_REQUEST
+
+    def __init__(self, post, ring: Ring):
+        super().__init__(post, ring)
+        self.keys = 0  # calls made: a reply is shown only to the latest
+
+    def on_move(self) -> None:  # a key: a new provider call, the one before cancelled
+        self.shown, self.timer = None, None
+        self.keys += 1
+        self.fim(None, None, [])
+
+    def fim(self, x, y, prev) -> None:  # the provider call (or its next poll)
+        if self.job is not None:
+            self.timer = (self.now + self.POLL, None, None, [])
+            return
+        c = self.ctx(self.x, self.y, [])
+        key = c["prefix"] + "|" + c["suffix"] + "|"
+        if (got := self.cached(key, c["middle"])) is not None:
+            self.render(self.x, self.y, got)
+            return
+        ind = indent(self.get(self.y))
+        body = {"id_slot": 0, "input_prefix": c["prefix"], "input_suffix": c["suffix"], "input_extra": self.ring.extra(),
+                "prompt": c["middle"], "n_predict": 128, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": False,
+                "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+                "t_max_predict_ms": 500} | ({"n_indent": ind} if ind else {})
+        resp, secs = self.post("fim", body)
+        self.job = (self.now + secs, [sha(key + c["middle"]), self.keys], resp)
+        self.pick(self.y)
+
+    def cached(self, key: str, prompt: str) -> str | None:  # getCachedCompletion
+        for i in range(len(prompt), -1, -1):
+            got = self.cache_get(sha(key + prompt[:i]))
+            if got is not None and got["content"].startswith(prompt[i:]):
+                return got["content"][len(prompt) - i:]
+        return None
+
+    def on_response(self) -> None:
+        _, (h, keys), resp = self.job
+        self.job = None
+        if resp is not None and isinstance(resp.get("content"), str):
+            self.cache_insert(h, resp)
+            if keys == self.keys:  # the call was not cancelled: its items are shown
+                self.render(self.x, self.y, resp["content"])
+
+
+CLIENTS = {"llama.vim": Vim, "llama.vscode": VSCode}
+
+
 class Typist:
     """Re-types one block at `cps` keys a second, accepting hints that are exactly right."""
 
@@ -289,7 +356,7 @@ def session(lines: list[str], filename: str, args, post) -> dict:
     """Type every block; returns counts for the report."""
     rng = random.Random(args.seed)
     ring, stats = Ring(rng, filename), {"keys": 0, "chars": 0, "accepted": 0, "accepts": 0, "warm": 0, "lines": 0}
-    vim = Vim(post, ring)
+    vim = CLIENTS[args.client](post, ring)
     for s in pick_blocks(lines, args.blocks, args.block_lines, rng):
         block = lines[s:s + args.block_lines]
         vim.lines = lines[:s] + lines[s + args.block_lines:]
@@ -333,6 +400,8 @@ def serve(session_, keep: bool, record: list | None):
         r = client.post("/infill", json=body)
         secs = time.perf_counter() - t0
         resp = r.json() if r.status_code == 200 else None
+        if isinstance(resp, list):  # n_cmpl: one result per completion (greedy: the same one)
+            resp = resp[0] if resp else None
         num = lambda p: (field(resp, p) or 0) if resp else 0
         content, predicted = (resp or {}).get("content") or "", num("timings/predicted_n")
         nl, first_line = content.find("\n", len(content) - len(content.lstrip())), 1e3 * secs
@@ -363,6 +432,7 @@ def main(argv=None) -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--block-lines", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="llama.vim")
     ap.add_argument("--cps", type=float, default=5.0, help="keys a second (default 5: ~60 words a minute)")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds between blocks")
     ap.add_argument("--model", default=None, help="default: the embedded default model")
@@ -378,7 +448,7 @@ def main(argv=None) -> None:
 
     path = args.file or default_file()
     lines = path.read_text(encoding="utf-8").split("\n")
-    print("## llama.vim, key by key\n")
+    print(f"## {args.client}, key by key\n")
     print("`" + " ".join([".venv/bin/python tools/vim_typing.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
     results, sent, log = {}, None, [] if args.record else None
     with tempfile.TemporaryDirectory(prefix="typing-") as root:
@@ -403,7 +473,7 @@ def main(argv=None) -> None:
             del sess
 
     kinds = [r["kind"] for r in results["kept"]["rows"]]
-    print(f"- file: {path.name}, {args.blocks} blocks of {args.block_lines} lines (seed {args.seed}), "
+    print(f"- client: {args.client}; file: {path.name}, {args.blocks} blocks of {args.block_lines} lines (seed {args.seed}), "
           f"{args.cps:g} keys a second, {args.pause:g} s between blocks; drafter {args.drafter}")
     print(f"- typed: {stats['chars']} characters in {stats['keys']} keys; {stats['accepts']} hints accepted "
           f"({stats['accepted']} characters, {100 * stats['accepted'] / max(stats['chars'], 1):.1f}%)")
