@@ -1,4 +1,5 @@
-"""tools/vim_typing.py's emulation of llama.vim's client (a1c8e6e), with a fake server: no model."""
+"""tools/editor_clients.py's emulation of llama.vim's (a1c8e6e) and llama.vscode's (3938fb3) clients, and
+tools/vim_typing.py's typist, with a fake server: no model."""
 
 import random
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
+import editor_clients as ec  # noqa: E402
 import vim_typing as vt  # noqa: E402
 from editor_replay import Ring  # noqa: E402
 
@@ -24,7 +26,7 @@ class Server:
 
 
 def editor(server, lines, y=1, x=0):
-    vim = vt.Vim(server, Ring(random.Random(0), "f.py"))
+    vim = ec.Vim(server, Ring(random.Random(0), "f.py"))
     vim.lines, vim.y, vim.x = list(lines), y, x
     vim.pos_y_pick = y  # no chunk picking in these tests
     return vim
@@ -107,7 +109,7 @@ def test_the_typist_accepts_a_hint_exactly_right_in_one_key_and_types_the_rest()
 
 def test_vscode_waits_by_polls_answers_from_a_reply_whose_start_was_typed_and_shows_only_the_latest_call():
     server = Server(lambda body: "llo world\n" if body["prompt"] == "he" else "", secs=0.2)
-    vs = vt.VSCode(server, Ring(random.Random(0), "f.py"))
+    vs = ec.VSCode(server, Ring(random.Random(0), "f.py"))
     vs.lines, vs.y, vs.x, vs.pos_y_pick = ["top", "he", "bottom"], 1, 2, 1
     vs.on_move()  # the call for "he" sends a request at once
     assert len(server.sent) == 1 and server.sent[0][1]["n_cmpl"] == 3 and server.sent[0][1]["t_max_predict_ms"] == 500
