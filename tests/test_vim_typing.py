@@ -121,3 +121,11 @@ def test_vscode_waits_by_polls_answers_from_a_reply_whose_start_was_typed_and_sh
     assert vs.shown is None  # the reply came for a cancelled call: cached, not shown
     vs.run_until(0.3)  # the poll at 0.25 finds "hel" answered by the reply cached for "he"
     assert len(server.sent) == 1 and vs.shown["content"] == ["lo world"]
+
+
+def test_a_file_that_cannot_be_read_is_a_one_line_error(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        vt.main(["--file", str(tmp_path / "missing.py")])
+    assert str(e.value).startswith("vim_typing: cannot read ") and "\n" not in str(e.value)

@@ -212,7 +212,10 @@ def main(argv=None) -> None:
     from cacheback_mlx.drafters import drafter_parameters
 
     path = args.file or default_file()
-    lines = path.read_text(encoding="utf-8").split("\n")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"vim_typing: cannot read {path}: {e}")
     print(f"## {args.client}, key by key\n")
     print("`" + " ".join([".venv/bin/python tools/vim_typing.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
     results, sent, log = {}, None, [] if args.record else None
