@@ -305,11 +305,7 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
                 total = prompt_n + cached if cached is not None else num("tokens_cached") - predicted
             cached = total - prompt_n if cached is None else cached
             content = resp.get("content") or ""
-            nl = content.find("\n", len(content) - len(content.lstrip()))
-            first_line = ms
-            if nl >= 0 and predicted:
-                share = min(1.0, encode(content[:nl + 1]) / predicted)
-                first_line = ms - pred_ms * (1 - share)
+            first_line = first_line_ms(content, ms, predicted, pred_ms, encode)
             doc, y = where["doc"], where["y"]
             # the hint's first line is the line the user then typed (None: a blank line was typed next)
             right = content.split("\n", 1)[0].rstrip() == where["truth"].rstrip() if where["truth"].strip() else None
@@ -328,6 +324,15 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
                                           "passes": field(resp, "timings/passes") or 0})
                     out["rows"][-1]["follow"] = out["follow"][-1]
     return out
+
+
+def first_line_ms(content: str, ms: float, predicted: int, pred_ms: float, encode) -> float:
+    """The time to the reply's first completed line, an estimate: the latency less the decode time
+    after its first newline (decode time shared over tokens in proportion; encode(text) -> tokens)."""
+    nl = content.find("\n", len(content) - len(content.lstrip()))
+    if nl < 0 or not predicted:
+        return ms
+    return ms - pred_ms * (1 - min(1.0, encode(content[:nl + 1]) / predicted))
 
 
 def med(xs):

@@ -53,7 +53,9 @@ import time
 from pathlib import Path
 
 from editor_clients import CLIENTS, Vim, indent
-from editor_replay import Ring, default_file, field, med, pick_blocks, record_engine, table, thirds, tpp, warm_body
+from editor_mat import served
+from editor_replay import (Ring, default_file, field, first_line_ms, med, pick_blocks, record_engine, table, thirds,
+                           tpp, warm_body)
 
 
 class Typist:
@@ -169,26 +171,13 @@ def serve(session_, keep: bool, record: list | None):
             resp = resp[0] if resp else None
         num = lambda p: (field(resp, p) or 0) if resp else 0
         content, predicted = (resp or {}).get("content") or "", num("timings/predicted_n")
-        nl, first_line = content.find("\n", len(content) - len(content.lstrip())), 1e3 * secs
-        if nl >= 0 and predicted:  # as editor_replay.py: less the decode time after the first line
-            first_line -= num("timings/predicted_ms") * (1 - min(1.0, encode(content[:nl + 1]) / predicted))
+        first_line = first_line_ms(content, 1e3 * secs, predicted, num("timings/predicted_ms"), encode)
         rows.append({"kind": kind, "ok": resp is not None, "ms": 1e3 * secs, "first_line": first_line,
                      "predicted": predicted, "passes": num("timings/passes"), "prompt": num("tokens_evaluated"),
                      "cached": num("timings/cache_n")})
         return resp, secs
 
     return client, post, rows, sent
-
-
-def groups(rows: list[dict]) -> list[list[dict]]:
-    """Per completion: its row, then the follow-ups sent before the next completion."""
-    out = []
-    for r in rows:
-        if r["kind"] == "fim":
-            out.append([r])
-        elif r["kind"] == "follow-up" and out:
-            out[-1].append(r)
-    return out
 
 
 def main(argv=None) -> None:
@@ -252,7 +241,7 @@ def main(argv=None) -> None:
             "tok/pass with follow-ups"]
     body, last = [], {}
     for state, res in results.items():
-        g = groups(res["rows"])
+        g = served(res["rows"], [r["kind"] for r in res["rows"]])
         for name, part in zip(("first", "middle", "last"), thirds(g)):
             comp, every = [x[0] for x in part], [r for x in part for r in x]
             body.append([state, name, len(comp), med([r["ms"] for r in comp]), med([r["first_line"] for r in comp]),
