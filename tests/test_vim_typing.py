@@ -129,3 +129,29 @@ def test_a_file_that_cannot_be_read_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit) as e:
         vt.main(["--file", str(tmp_path / "missing.py")])
     assert str(e.value).startswith("vim_typing: cannot read ") and "\n" not in str(e.value)
+
+
+def _seen_before_typed(later_blocks: str) -> int:
+    """Lines of a block that the replay's requests showed before the block was typed."""
+    import argparse
+
+    import editor_replay as er
+
+    # a file of unique lines, blocks close together: a block's suffix and chunks reach the next one
+    lines = [f"line_{i} = {i}" for i in range(400)]
+    args = argparse.Namespace(seed=3, blocks=8, block_lines=6, every=3, no_extra=False, follow_ups=True,
+                              later_blocks=later_blocks)
+    starts = er.pick_blocks(lines, 8, 6, random.Random(3))
+    seen, early = set(), 0
+    for kind, body, where in er.plan(lines, "f.py", args):
+        if kind == "fim" and where["typed"] == 0:
+            s = starts[where["block"] - 1]
+            early += len(seen & set(lines[s:s + 6]))
+        seen |= set((body["input_prefix"] + body["input_suffix"]
+                     + "".join(c["text"] for c in body["input_extra"])).split("\n"))
+    return early
+
+
+def test_the_replay_shows_no_line_before_it_is_typed_unless_later_blocks_are_kept():
+    assert _seen_before_typed("cut") == 0
+    assert _seen_before_typed("kept") > 0  # the protocol before stop 39 did

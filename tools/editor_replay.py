@@ -7,9 +7,12 @@ A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. The s
 process (`create_app` behind FastAPI's TestClient, no network). The edited file is one that no
 shipped table was built from (the frozen table comes from the CPython stdlib): by default the
 installed `click` package's core.py (`--file` to change). `--blocks` blocks of `--block-lines`
-lines, spread over the file (seeded), are cut out one at a time and re-typed line by line; every
+lines, spread over the file (seeded), are cut out and re-typed line by line, top to bottom; every
 `--every` lines (from 0) the editor asks for a completion with the cursor at the start of the next
-line to type: prefix = the document above it, suffix = the file after the cut block.
+line to type: prefix = the document above it, suffix = the file after the cut block. The blocks
+not typed yet are cut out too (`--later-blocks kept` leaves them in, as the runs before stop 39
+did: a block's suffix or a chunk picked below it then showed a kept drafter some of the next
+block's lines before they were typed).
 
 Bodies are llama.vim's (ggml-org/llama.vim a1c8e6e: s:fim_ctx_local, llama#fim): the last 256 lines
 above the cursor, the cursor line split at the cursor, the next 64 lines, the ring buffer of extra
@@ -92,6 +95,22 @@ def pick_blocks(lines: list[str], n: int, length: int, rng: random.Random) -> li
     return starts
 
 
+def below(lines: list[str], starts: list[int], b: int, length: int, cut_later: bool = True) -> list[str]:
+    """The file below block b (cut out at starts[b]). cut_later: the blocks not typed yet are cut
+    out of it too, so no request shows the drafter a line before it is typed (a session writing
+    new code in several places of a file); else they stay (`--later-blocks kept`: the protocol of
+    the runs before stop 39, where a block's suffix or a chunk picked below it could hold the
+    next block's lines, seen by a kept drafter before they were typed)."""
+    at = starts[b] + length
+    if not cut_later:
+        return lines[at:]
+    out = []
+    for s in starts[b + 1:]:
+        out += lines[at:s]
+        at = s + length
+    return out + lines[at:]
+
+
 class Ring:
     """llama.vim's extra context: queued chunks move into the ring one per ring update."""
 
@@ -170,8 +189,10 @@ def plan(lines: list[str], filename: str, args) -> list[tuple[str, dict, dict | 
     """The session's requests in order: ("fim", body, where) and ("warm", body, None)."""
     rng = random.Random(args.seed)
     ring, events, pos_pick, n = Ring(rng, filename), [], -9999, 0
-    for b, s in enumerate(pick_blocks(lines, args.blocks, args.block_lines, rng)):
-        before, block, after = lines[:s], lines[s:s + args.block_lines], lines[s + args.block_lines:]
+    starts = pick_blocks(lines, args.blocks, args.block_lines, rng)
+    for b, s in enumerate(starts):
+        before, block = lines[:s], lines[s:s + args.block_lines]
+        after = below(lines, starts, b, args.block_lines, args.later_blocks == "cut")
         for typed in range(0, args.block_lines, args.every):
             if ring.update():
                 events.append(("warm", warm_body(ring.extra()), None))
@@ -433,6 +454,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-lines", type=int, default=12)
     ap.add_argument("--every", type=int, default=3, help="a completion request every K lines typed")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--later-blocks", choices=["cut", "kept"], default="cut",
+                    help="cut (default): the blocks not typed yet are cut out of the file too, so no request "
+                         "shows a line before it is typed; kept: they stay (the runs before stop 39)")
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")

@@ -7,7 +7,8 @@
 A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. tools/editor_replay.py
 sends a completion every few lines; llama.vim (ggml-org/llama.vim a1c8e6e, autoload/llama.vim)
 asks at every key, and this tool emulates its client on a simulated clock. The user re-types blocks
-cut out of a file no shipped table comes from (click's core.py by default), `--cps` keys a second:
+cut out of a file no shipped table comes from (click's core.py by default; the blocks not typed yet
+are cut out too, unless `--later-blocks kept`: see editor_replay.below), `--cps` keys a second:
 a line starts with its indentation at once (Enter with autoindent), then one key per character.
 What llama.vim does at each key (CursorMovedI), emulated from its source (editor_clients.Vim):
 - s:on_move: the hint is hidden, then s:fim_try_hint looks the cursor's context up in the
@@ -54,7 +55,7 @@ from pathlib import Path
 
 from editor_clients import CLIENTS, Vim, indent
 from editor_mat import served
-from editor_replay import (Ring, default_file, field, first_line_ms, med, pick_blocks, record_engine, table, thirds,
+from editor_replay import (Ring, below, default_file, field, first_line_ms, med, pick_blocks, record_engine, table, thirds,
                            tpp, warm_body)
 
 
@@ -124,9 +125,10 @@ def session(lines: list[str], filename: str, args, post) -> dict:
     rng = random.Random(args.seed)
     ring, stats = Ring(rng, filename), {"keys": 0, "chars": 0, "accepted": 0, "accepts": 0, "warm": 0, "lines": 0}
     vim = CLIENTS[args.client](post, ring)
-    for s in pick_blocks(lines, args.blocks, args.block_lines, rng):
+    starts = pick_blocks(lines, args.blocks, args.block_lines, rng)
+    for b, s in enumerate(starts):
         block = lines[s:s + args.block_lines]
-        vim.lines = lines[:s] + lines[s + args.block_lines:]
+        vim.lines = lines[:s] + below(lines, starts, b, args.block_lines, args.later_blocks == "cut")
         vim.shown, vim.timer = None, None
         typist = Typist(vim, block, s, args.cps)
         end = typist.run()
@@ -186,6 +188,9 @@ def main(argv=None) -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--block-lines", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--later-blocks", choices=["cut", "kept"], default="cut",
+                    help="cut (default): the blocks not typed yet are cut out of the file too; kept: they stay "
+                         "(the runs before stop 39)")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="llama.vim")
     ap.add_argument("--cps", type=float, default=5.0, help="keys a second (default 5: ~60 words a minute)")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds between blocks")
