@@ -1,6 +1,6 @@
 """Replay an editing session against the completion server, the way llama.vim sends it.
 
-    .venv/bin/python tools/editor_replay.py                       # 4 blocks of 12 lines, kept vs fresh
+    .venv/bin/python tools/editor_replay.py                       # 16 blocks of 15 lines, kept vs fresh (~8 min)
     .venv/bin/python tools/editor_replay.py --blocks 1 --block-lines 6 --every 3   # smoke test
 
 A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. The server runs in this
@@ -450,8 +450,10 @@ def header(args, path: Path, session) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", type=Path, help="source file to edit (default: click's core.py)")
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--block-lines", type=int, default=12)
+    ap.add_argument("--blocks", type=int, default=16,
+                    help="default 16 (of 15 lines: 80 completions; the learning needs a session that long, "
+                         "docs/BENCHMARKS.md §8, stop 39)")
+    ap.add_argument("--block-lines", type=int, default=15)
     ap.add_argument("--every", type=int, default=3, help="a completion request every K lines typed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--later-blocks", choices=["cut", "kept"], default="cut",
