@@ -141,12 +141,10 @@ def _seen_before_typed(later_blocks: str) -> int:
     lines = [f"line_{i} = {i}" for i in range(400)]
     args = argparse.Namespace(seed=3, blocks=8, block_lines=6, every=3, no_extra=False, follow_ups=True,
                               later_blocks=later_blocks)
-    starts = er.pick_blocks(lines, 8, 6, random.Random(3))
     seen, early = set(), 0
     for kind, body, where in er.plan(lines, "f.py", args):
-        if kind == "fim" and where["typed"] == 0:
-            s = starts[where["block"] - 1]
-            early += len(seen & set(lines[s:s + 6]))
+        if kind == "fim" and where["typed"] == 0:  # a block's first request: the cursor at its start
+            early += len(seen & set(lines[where["y"]:where["y"] + 6]))
         seen |= set((body["input_prefix"] + body["input_suffix"]
                      + "".join(c["text"] for c in body["input_extra"])).split("\n"))
     return early
