@@ -179,8 +179,13 @@ class Calibration:
         self.expected = np.zeros_like(self.hits)
 
     def factors(self) -> np.ndarray:
-        """[score bin, place bin] -> the factor on a drafter's score."""
-        return (self.hits + self.PRIOR) / (self.expected + self.PRIOR)
+        """[score bin, place bin] -> the factor on a drafter's score. A cell seen little is pulled
+        toward the factor of all cells together, not toward the drafter's own scores: on text where
+        nothing is accepted (a model that never agrees with the drafter) every cell learns that at
+        once, where cells of rare scores would otherwise keep their promise for hundreds of passes
+        and a cheap pass would keep sending their drafts."""
+        overall = (self.hits.sum() + self.PRIOR) / (self.expected.sum() + self.PRIOR)
+        return (self.hits + self.PRIOR * overall) / (self.expected + self.PRIOR)
 
     def _cells(self, scores: np.ndarray, places: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         places = np.arange(len(scores)) if places is None else places
@@ -268,7 +273,11 @@ class Sizer:
     """Chooses each pass's draft size for the engine (the per-step budget)."""
 
     RELEARN = 16  # passes between updates of the learned prices
-    EXPLORE = 32  # one pass in this many tries the runner-up size (learning; each costs ~10%)
+    EXPLORE = 32  # at most one pass in this many tries the runner-up size (learning prices)
+    LEARN_SHARE = 0.01  # what passes sent to learn (runner-up sizes, probes) may cost, at most:
+    # a share of the time of the passes chosen, so speculation that never pays (a model that
+    # accepts nothing) stays within 1% of plain decoding whatever a row costs
+    PROBE_IDLE = 8  # unscored drafters: passes without drafts before one node is sent to learn from
 
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
@@ -291,6 +300,8 @@ class Sizer:
         self.times = PassTimes()
         self._chosen = 0
         self._trial: int | None = None
+        self._credit = 0.0  # seconds that learning passes may still cost (LEARN_SHARE)
+        self.tried = 0  # passes sent at the runner-up size
         self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
 
     def timed(self, rows: int, context: int, seconds: float) -> None:
@@ -394,16 +405,27 @@ class Sizer:
         else:  # the drafter's scores, as calibrated by what the model accepted
             self._offered = tree.truncate(self.MAX_ROWS - lead)
             scores = self.calibration.apply(self._offered.scores)
-        n = best_size(scores, lead, self.costs(context))
+        costs = self.costs(context)
+        n = best_size(scores, lead, costs)
         self.used += 0.1 * (n - self.used)
         self._trial = None
+        self._credit = min(self._credit + self.LEARN_SHARE * costs[lead + n], 4.0 * costs[lead + n])
         if self.learn:
             self._chosen += 1
-            if self._chosen % self.EXPLORE == 0:
-                n, self._trial = self._runner_up(scores, lead, context, n)
+            if self._chosen >= self.EXPLORE:
+                trial_n, trial_rows = self._runner_up(scores, lead, context, n)
+                extra = self._plan(context)[2][trial_rows] - costs[lead + n]
+                if extra <= self._credit:
+                    n, self._trial = trial_n, trial_rows
+                    self._credit -= max(extra, 0.0)
+                    self._chosen = 0
+                    self.tried += 1
         if n == 0 and cells is not None:  # unscored drafters only learn from drafts they send:
             self._idle += 1  # now and then send one node, or a low estimate could never recover
-            n = 1 if self._idle % 8 == 0 else 0
+            extra = costs[lead + 1] - costs[lead]
+            if self._idle >= self.PROBE_IDLE and extra <= self._credit:
+                n, self._idle = 1, 0
+                self._credit -= max(extra, 0.0)
         tree = tree.truncate(n)
         if cells is not None:
             self._sent = (tree, cells[:n])

@@ -87,7 +87,10 @@ def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args
 
 def model_option(fn):
     fn = click.option("--model", "-m", default=None,
-                      help="GGUF file, mlx-lm folder, Hugging Face repo id or alias (default: embedded SmolLM2-135M).")(fn)
+                      help="GGUF file, mlx-lm folder, Hugging Face repo id, alias, or random:NAME[:OPTIONS] (a popular "
+                           "model's shape with seeded random weights, no download; options q4, q8, f32, f16, bf16, "
+                           "layers=N, seed=S; an unknown NAME lists the known ones) "
+                           "(default: embedded SmolLM2-135M).")(fn)
     fn = click.option("--dtype", default=None, type=click.Choice(["float32", "float16", "bfloat16", "native"]),
                       help="Weight dtype (default: the fastest for the backend).")(fn)
     return fn
@@ -274,9 +277,16 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--json", "json_out", default=None, help="Write per-prompt records and the summary here.")
 @click.option("--plot", "plot_out", default=None, help="Write a PNG of speedup per column and drafter.")
 @click.option("--verify-cost", is_flag=True, help="Only measure one pass over B tokens relative to one token.")
+@click.option("--contexts", default=None, help="With --verify-cost: the cached tokens to measure at (comma list; "
+              "default 256,1024). Shown only; the table the engine keeps is measured at its own.")
+@click.option("--record", "record_dir", default=None, type=click.Path(file_okay=False),
+              help="Only record the model's greedy streams for the selected prompts into this folder (for --forced).")
+@click.option("--forced", "forced_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Run the prompts recorded in this folder (bench --record), every drafter accepting along the "
+                   "recorded streams: the speed of this model at the recorded model's acceptance (projected).")
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args, draft_budget,
-          warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost):
+          warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir, forced_dir):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -289,14 +299,48 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
 
     from .budget import Sizer, cpu_name
 
+    if record_dir and forced_dir:
+        raise CachebackError("--record and --forced do not go together (record first, then run forced)")
+    recording = B.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
+    if recording is not None and recording.get("fingerprint") != session.fingerprint:
+        raise CachebackError(f"{forced_dir} was recorded with another tokenizer ({recording.get('model')}); "
+                             "a forced run needs the same vocabulary")
     if verify_cost:
-        cost = session.verify_cost(remeasure=True)  # also what per-step budgets use from now on
+        if contexts:
+            from .budget import SIZES, measure
+
+            try:
+                at = tuple(int(c) for c in contexts.split(",") if c)
+            except ValueError:
+                raise CachebackError(f"--contexts takes numbers of tokens, got {contexts!r}") from None
+            if not at or min(at) < 1 or max(at) + max(SIZES) >= session.loaded.context_length:
+                raise CachebackError(f"--contexts must lie in [1, {session.loaded.context_length - max(SIZES) - 1}]")
+            cost = measure(session.loaded.model, contexts=at, vocab=session.engine.vocab_size)
+        else:
+            cost = session.verify_cost(remeasure=True)  # also what per-step budgets use from now on
         for context in cost.contexts:
             row = cost.table[context]
             click.echo(f"{context} cached tokens:\n{'B':>4} {'ms':>8} {'x one token':>12}")
             for b, t in row.items():
                 click.echo(f"{b:>4} {t * 1e3:>8.2f} {t / row[1]:>12.2f}")
+        return
+    sets = [s for s in prompts.split(",") if s]
+    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_name()}",
+            "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
+            "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category, "humaneval_prompts": humaneval_prompts,
+            "prompts": sets, "categories": categories, "seed": seed}
+    if recording is None:
+        plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
+                                 seed, Path(data) if data else B.DATA)
+        if not plist:
+            raise CachebackError("no prompts selected")
+    if record_dir:
+        from tqdm import tqdm
+
+        records = [B.record_prompt(session, p, max_tokens) for p in tqdm(plist, desc="recording", unit=" prompt")]
+        out = B.save_recording(record_dir, records, {**meta, "fingerprint": session.fingerprint})
+        click.echo(f"{len(records)} prompts, {sum(len(t['out']) for r in records for t in r['turns'])} tokens -> {out}")
         return
     cost = session.verify_cost()
     params: dict = {}
@@ -315,25 +359,26 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
             raise CachebackError(f"{label}: budget must be a number of tokens or 'auto'")
         instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
                                  budget if fixed else draft_budget)
-    sets = [s for s in prompts.split(",") if s]
-    plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
-                             seed, Path(data) if data else B.DATA)
-    if not plist:
-        raise CachebackError("no prompts selected")
-    runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
+    if recording is not None:
+        meta.update({k: recording.get(k) for k in ("max_tokens", "per_category", "humaneval_prompts", "prompts",
+                                                   "categories", "seed")})
+        records = recording["prompts"]
+        if click.get_current_context().get_parameter_source("max_tokens") == click.core.ParameterSource.COMMANDLINE:
+            records = B.cut_recording(records, max_tokens)  # each turn's first max_tokens tokens
+            meta["max_tokens"] = max_tokens
+        meta["forced"] = f"projected (acceptance of {recording.get('model')})"
+        runs = B.run_forced_bench(session, records, instances, warmup=warmup, with_mlx_lm=not no_mlx_lm)
+    else:
+        runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
     summary = B.summarize(runs)
-    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_name()}",
-            "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
-            "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category, "humaneval_prompts": humaneval_prompts,
-            "prompts": sets, "categories": categories, "seed": seed}
     click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
     click.echo(B.format_table(summary))
     if json_out:
         B.save_json(runs, summary, json_out, meta)
     if plot_out:
         B.plot(summary, plot_out)
-    bad = B.mismatches(runs)
-    mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm else []
+    bad = B.mismatches([r for r in runs if recording is None or r.drafter != B.MLX_LM])  # forced: mlx-lm goes its own way
+    mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm and recording is None else []
     if mlx_diff:
         click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)", err=True)
     if bad:
@@ -378,15 +423,34 @@ def doctor(model_spec, drafter, drafter_args):
         from .engine import Engine
         from .loader import load
 
+        from .footprint import model_bytes_per_step, model_shape, param_bytes
+
         loaded = load(model_spec)
         info = Engine(loaded.model, [], NoDrafter(), loaded.context_length).describe()
-        click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}")
+        click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}, "
+                   f"dtype {loaded.dtype}" + (f"; {loaded.note}" if loaded.note else ""))
+        shape = model_shape(loaded.model)
+        layers = f"{shape['layers']}"
+        if loaded.source == "random":
+            from .random_models import total_layers
+
+            layers += f" of {total_layers(loaded.name)}"
+        experts = f", experts {shape['experts'][0]} of {shape['experts'][1]} active" if shape["experts"] else ""
+        quant = ", ".join(f"{b}-bit (group {g})" for b, g in shape["quantized"]) or "not quantized"
+
+        def size(n, unit=" GB", small=" MB"):
+            return f"{n / 1e9:.2f}{unit}" if n >= 1e9 else f"{n / 1e6:.1f}{small}"
+
+        click.echo(f"shape: hidden {shape['hidden']}, layers {layers}, heads {shape['heads']}, kv heads {shape['kv heads']}"
+                   f"{experts}, vocab {shape['vocab']}, {size(shape['params'], 'B', 'M')} params")
+        click.echo(f"weights: {size(param_bytes(loaded.model))} in memory, {quant}; "
+                   f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
     if drafter is not None:
         from .api import Session
 
-        session = Session(model_spec, drafter, fixed_budget=True, **parse_drafter_args(drafter_args))
+        session = Session(loaded if model_spec is not None else None, drafter, fixed_budget=True, **parse_drafter_args(drafter_args))
         list(session.stream_ids(session.encode("Hello", chat=False), 16))
         s = session.stats
         click.echo(f"drafter {drafter}: 16 tokens in {s.passes} passes, MAT {s.mat:.2f}; "

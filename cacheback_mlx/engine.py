@@ -8,9 +8,11 @@ the cache is rolled back (ModelCache.finish_pass); the drafter then learns the a
 A step with an empty draft is a plain one-token decoding step.
 
 Models with recurrent layers get chain drafts, and so do models with position-dependent code the
-engine cannot place in a tree (positions.py). A recurrent state cannot be cut back, so a pass on
-such a model is kept only when accepted whole; otherwise it is undone and its accepted tokens lead
-the next pass (`self.lead`), whose draft budget shrinks by as many rows.
+engine cannot place in a tree (positions.py). A recurrent state cannot be cut back: where every
+recurrent layer captures each row's state during a pass (recurrent.py), finish_pass keeps the
+accepted prefix like any other pass; elsewhere (and on passes too long to capture) a pass is kept
+only when accepted whole; otherwise it is undone and its accepted tokens lead the next pass
+(`self.lead`, `stats.undone`), whose draft budget shrinks by as many rows.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .budget import Sizer
 from .drafters.base import Drafter
@@ -108,6 +111,25 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
         path.append(nxt)
         node = nxt
         want = picks[nxt + 1]
+
+
+def forced_picks(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+    """The picks a model would make if its greedy stream were `continuation` (a recorded one):
+    row 0 (the root) picks continuation[0]; a node whose root path follows the continuation picks
+    the token after it; any other node picks -1 (no token), so `accept` follows the recording.
+    How a model with random weights is run at the acceptance of a real one (`generate(forced=)`).
+    The tree must be shallower than the continuation (the engine drafts at most the tokens left
+    but one), so an accepted path always has a recorded token after it."""
+    depth = tree.depths()
+    if len(tree) and int(depth.max()) >= len(continuation):
+        raise ValueError("a forced pass's tree must be shallower than the recorded tokens left")
+    picks = [int(continuation[0])]
+    on = np.zeros(len(tree), bool)
+    for i, p in enumerate(tree.parents.tolist()):
+        d = int(depth[i])
+        on[i] = (p < 0 or on[p]) and int(tree.tokens[i]) == continuation[d - 1]
+        picks.append(int(continuation[d]) if on[i] else -1)
+    return picks
 
 
 def segments(context) -> list[list[int]]:
@@ -312,14 +334,22 @@ class Engine:
         self._start(prompt, context, slot=slot)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 context=(), slot: int | None = None) -> Iterator[list[int]]:
+                 context=(), slot: int | None = None, forced: Sequence[int] | None = None) -> Iterator[list[int]]:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
-        editor's chunks and the code below the cursor; start_request). `slot`: see _start."""
+        editor's chunks and the code below the cursor; start_request). `slot`: see _start.
+        `forced`: a recorded stream to accept along instead of the model's own picks (at most
+        its length is generated): every pass still runs on this model with its real rows and
+        cache, only the accept step reads the recording (forced_picks; `bench --forced`)."""
         prompt = self.check(prompt, max_tokens)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")
         max_tokens = min(max_tokens, self.context_length - len(prompt))
+        if forced is not None:
+            forced = [int(t) for t in forced]
+            if not forced:
+                raise CachebackError("the forced stream is empty")
+            max_tokens = min(max_tokens, len(forced))
         self.stats = stats = Stats(prompt_tokens=len(prompt))
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
@@ -356,7 +386,9 @@ class Engine:
                 # verify: lead + draft in one pass
                 t0 = time.perf_counter()
                 logits = self._verify(lead, tree, size)
-                picks = pick(logits).tolist()
+                picks = pick(logits).tolist()  # evaluates the pass, forced or not
+                if forced is not None:
+                    picks = forced_picks(tree, forced[stats.tokens :])
                 seconds = time.perf_counter() - t0
                 stats.verify_s += seconds
                 if self.sizer is not None:  # what a pass of this size really costs here

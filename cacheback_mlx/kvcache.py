@@ -8,9 +8,12 @@ what the model expects. `wrap` is the one place that decides how each kind is wr
   RotatingKVCache  -> WindowKVCache: keeps the window plus some slack (evicted in chunks), so a
                       rejected pass never needs an evicted entry; masks honour the layer's window
                       measured from each row's own position
-  ArraysCache      -> RecurrentCache: a snapshot before each pass; a recurrent state cannot be
-                      shortened, so a pass not accepted whole is undone from the snapshot and its
-                      accepted tokens are fed again at the head of the next pass (engine.py)
+  ArraysCache      -> RecurrentCache (recurrent.py): a recurrent state cannot be shortened. On
+                      a model whose recurrent mixers all capture (recurrent.plan), a verify pass
+                      captures each row's state, and a chain accepted up to row m-1 keeps the
+                      states after row m-1; on any other, a snapshot before each pass undoes a
+                      pass not accepted whole, and its accepted tokens are fed again at the head
+                      of the next pass (engine.py)
   CacheList        -> the same list of wrapped caches
 Any other kind (quantized, chunked, rotating with `keep`) is refused with a one-line error.
 Attention over these caches goes through attention.py, which on the CPU gives passes of several
@@ -26,6 +29,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from . import activations, attention
 from .errors import CachebackError
 from .positions import TreePass, attach_tree_pass, model_family, model_modules
+from .recurrent import Capture, RecurrentCache, count, plan
 
 
 def pass_mask(tp: TreePass, offset: int, start: int, n: int, window: int | None) -> mx.array:
@@ -136,34 +140,18 @@ class WindowKVCache(TreeKVCache):
         self.start = 0
 
 
-class RecurrentCache(ArraysCache):
-    """mlx-lm's ArraysCache (conv and SSM / gated-delta states) with a snapshot to undo a pass."""
-
-    def __init__(self, size: int):
-        super().__init__(size)
-        self.saved: list | None = None
-
-    def snapshot(self) -> None:
-        self.saved = list(self.cache)  # MLX arrays are immutable: keeping references is enough
-
-    def restore(self) -> None:
-        self.cache = list(self.saved)
-
-    def clear(self) -> None:
-        self.cache = [None] * len(self.cache)
-
-
-def wrap(cache, tree_pass: TreePass, family: str):
-    """The one place that decides how each kind of layer cache is wrapped."""
+def wrap(cache, tree_pass: TreePass, family: str, capture: Capture | None = None):
+    """The one place that decides how each kind of layer cache is wrapped. `capture`: the model's
+    recurrent.plan (None: its recurrent layers roll back by snapshot only)."""
     kind = type(cache)
     if kind is KVCache:
         return TreeKVCache(tree_pass)
     if kind is RotatingKVCache and cache.keep == 0:
         return WindowKVCache(tree_pass, cache.max_size)
     if kind is ArraysCache:
-        return RecurrentCache(len(cache.cache))
+        return RecurrentCache(len(cache.cache), capture)
     if kind is CacheList:
-        return CacheList(*(wrap(c, tree_pass, family) for c in cache.caches))
+        return CacheList(*(wrap(c, tree_pass, family, capture) for c in cache.caches))
     what = f"{kind.__name__}(keep={cache.keep})" if kind is RotatingKVCache else kind.__name__
     raise CachebackError(f"{family}: layer cache {what} is not supported for exact speculative decoding")
 
@@ -186,7 +174,8 @@ class ModelCache:
         attention.install(model_modules(model))
         activations.install(model_modules(model))
         raw = make_prompt_cache(model)
-        self.layers = [wrap(c, self.tree_pass, self.family) for c in raw]
+        self.capture = plan(model, count(raw))  # None: recurrent layers are undone by snapshot only
+        self.layers = [wrap(c, self.tree_pass, self.family, self.capture) for c in raw]
         leaves = list(_leaves(self.layers))
         self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
         self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
@@ -215,6 +204,7 @@ class ModelCache:
             for c in self.recurrent:
                 c.restore()
             self.in_pass = False
+        self._end_capture()
         length = min(length, self.length)
         if length < self.length and (self.recurrent or not all(c.can_trim_to(length) for c in self.kv)):
             length = 0
@@ -233,21 +223,26 @@ class ModelCache:
                 c.evict()
         for c in self.recurrent:
             c.snapshot()
+        if self.capture is not None:
+            self.capture.arm()
 
     def finish_pass(self, rows: list[int], whole: bool, committed: int | None = None) -> bool:
         """After a pass that wrote rows length.. of each cache, keep only `rows` (relative to the
-        old length, compacted). With recurrent layers only a pass accepted whole (`whole`: every
-        row kept, no padding) can stay; otherwise everything is undone. Returns whether kept.
+        old length, compacted). With recurrent layers a pass accepted whole (`whole`: every row
+        kept, no padding) stays; so does a prefix 0..m-1 of a pass that captured its rows' states
+        (recurrent.py); otherwise everything is undone. Returns whether kept.
         committed: how many of the kept rows join the sequence (default all); the others stay
         stored past it (a draft tree kept in the cache, drafters/card_model.py)."""
         base = self.length
         self.in_pass = False
-        if self.recurrent and not whole:
+        if self.recurrent and not whole and not self._keep_prefix(rows, committed):
             for c in self.recurrent:
                 c.restore()
             for c in self.kv:
                 c.trim_to(base)
+            self._end_capture()
             return False
+        self._end_capture()
         n = len(rows)
         if rows != list(range(n)):
             src = mx.array([base + r for r in rows], dtype=mx.int32)
@@ -259,7 +254,29 @@ class ModelCache:
         self.length = base + (n if committed is None else committed)
         return True
 
+    def _keep_prefix(self, rows: list[int], committed: int | None) -> bool:
+        """Set every recurrent layer to its state after the pass's rows 0..m-1 when `rows` is that
+        prefix, all joining the sequence, and the pass captured them (m = 0: the snapshot)."""
+        m = len(rows)
+        if self.capture is None or rows != list(range(m)) or committed not in (None, m):
+            return False
+        if m == 0:
+            for c in self.recurrent:
+                c.restore()
+            return True
+        if not all(c.can_keep(m) for c in self.recurrent):
+            return False
+        for c in self.recurrent:
+            c.keep(m)
+        return True
+
+    def _end_capture(self) -> None:
+        """Drop what the pass captured (held for the pass in flight only)."""
+        if self.capture is not None:
+            self.capture.stop()
+
     def advance(self, n: int) -> None:
         """n tokens went in whole (a prefill)."""
         self.length += n
         self.in_pass = False
+        self._end_capture()

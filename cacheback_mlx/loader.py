@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas, malloc
+from . import blas, footprint, malloc
 from . import models as manifests
 from .errors import CachebackError
 from .gguf import load_gguf_model, meta_value
@@ -30,6 +31,7 @@ class LoadedModel:
     context_length: int
     dtype: str
     fim: dict | None  # FIM token strings (prefix/suffix/middle, ...) or None
+    note: str = ""  # how it was built or kept, when that is worth saying (random weights, kept quantized)
 
     def __iter__(self):  # model, tokenizer = load()
         return iter((self.model, self.tokenizer))
@@ -91,7 +93,8 @@ def _fetch_default(info: dict, path: Path) -> None:
 
 def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:
     """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
-    folder, or a Hugging Face repo id ("org/name"). On the CPU with OpenBLAS its float32 weights
+    folder, a Hugging Face repo id ("org/name"), or `random:NAME[:OPTIONS]` (a popular model's
+    shape with seeded random weights, random_models.py). On the CPU with OpenBLAS its float32 weights
     are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights), and MLX
     may keep more freed buffers for reuse (malloc.raise_mlx_cache_limit)."""
     loaded = _load(model, dtype)
@@ -102,9 +105,13 @@ def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> Lo
 
 
 def _load(model: str | os.PathLike | None, dtype: str | None) -> LoadedModel:
-    dtype = dtype or default_dtype()
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise CachebackError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if isinstance(model, str) and model.lower().startswith("random:"):
+        from .random_models import load_random
+
+        return load_random(model, dtype)  # the spec's own dtype option wins over `dtype`
+    dtype = dtype or default_dtype()
     spec = "default" if model is None else str(model)
     alias = manifests.resolve_alias(spec) if not os.path.exists(spec) else None
     if alias == "default":
@@ -140,13 +147,25 @@ def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
     except Exception as e:  # a bad config, weights or tokenizer file: the user's input, not a bug
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CachebackError(f"cannot load model folder {path}: {first}") from None
+    note = ""
     if dtype != "native":
-        _dequantize(model)
-        model.set_dtype(getattr(mx, dtype))
+        need = footprint.dequantized_bytes(model, getattr(mx, dtype)) if _is_quantized(model) else 0
+        if need and not footprint.fits_in_memory(need):
+            note = (f"kept quantized: dequantized to {dtype} it would take {need / 1e9:.1f} GB, more than "
+                    f"this machine can hold ({footprint.available_memory() / 1e9:.1f} GB available)")
+            print(f"cacheback-mlx: {name}: {note}", file=sys.stderr, flush=True)
+            dtype = "native"
+        else:
+            _dequantize(model)
+            model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
     fim = manifests.fim_tokens(set(tokenizer.get_vocab()))
-    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim)
+    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim, note)
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
 def _dequantize(model: nn.Module) -> None:

@@ -2,7 +2,7 @@
 
 Greedy verification is deterministic, so on a stream the model is known to produce, a step accepts
 the longest root path of the draft tree that matches the stream, plus one bonus token. This is the
-engine's accept rule (engine.accept_greedy) run against a recording; drafter tests and tuning use it.
+engine's accept rule (engine.accept) run against a recording; drafter tests and tuning use it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budge
     sizer (budget.Sizer): size each pass as the engine's per-step budget does, `budget` the cap.
     clock(rows, context) -> seconds: what a pass "really" costs; each pass is priced by it and
     reported to the sizer as the engine reports a measured pass (default: the sizer's own price,
-    nothing reported)."""
+    nothing reported); without a sizer, each fixed-budget pass is priced by it too."""
     t0 = time.perf_counter()
     drafter.observe(prompt)
     observe_s = time.perf_counter() - t0
@@ -71,7 +71,8 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
     pass_s = 0.0
     while pos < len(output):
         t0 = time.perf_counter()
-        cap = budget if sizer is None else sizer.cap(budget, len(history))
+        limit = min(budget, len(output) - pos - 1)  # as the engine: the last token is a pass's own
+        cap = limit if sizer is None else min(limit, sizer.cap(limit, len(history)))
         tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
         if sizer is not None:
             tree = sizer.choose(tree.truncate(cap), 1, len(history))
@@ -81,6 +82,8 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
             else:
                 pass_s += (seconds := clock(rows, len(history)))
                 sizer.timed(rows, len(history), seconds)
+        elif clock is not None:  # a fixed budget's pass, priced the same way
+            pass_s += clock(1 + len(tree), len(history))
         draft_s += time.perf_counter() - t0
         if len(tree) > budget:
             raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")

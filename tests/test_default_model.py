@@ -95,7 +95,7 @@ def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_o
 
     padded = CostTable({256: {1: 1.0, 2: 1.5, 4: 1.5, 7: 1.5, 8: 1.2, 16: 2.0, 32: 3.5}})
     sizer = Sizer(padded)
-    sizer.EXPLORE = 3  # one pass in three tries the runner-up size (learning prices): still exact
+    sizer.EXPLORE, sizer.LEARN_SHARE = 3, 1.0  # one pass in three tries the runner-up size: still exact
     eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length,
                  sizer=sizer)
     for mode, (ids, truth) in plain_outputs.items():

@@ -1,0 +1,104 @@
+"""Projected speed of drafters on a model, from its measured pass costs and a recording's acceptance.
+
+A model with random weights accepts no drafts; `cacheback-mlx bench --forced DIR` runs it live at
+the acceptance of the recorded model. This does the same offline, for many shapes at the cost of
+one cost table each: every recorded question is replayed as the engine serves it (a fresh drafter
+per question, its turns in order: engine.start_request, then replay.decode), each pass priced by
+the model's measured cost table and reported
+to the planner as a measured pass. Plain decoding is priced the same way (one row per token), so
+the ratio is the projected speedup over plain decoding on this machine; MAT is exact. The cost
+table is measured here (at --contexts; it is also printed, relative to one row) and not kept.
+
+    .venv/bin/python tools/scale_projection.py --model random:llama-3.2-1b [REC_DIR ...]
+        [--rows auto,auto:budget=7,cacheback] [--contexts 512,2048] [--max-tokens N]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cacheback_mlx import bench as B
+from cacheback_mlx.api import Session
+from cacheback_mlx.budget import Sizer, measure
+from cacheback_mlx.engine import start_request
+from cacheback_mlx.replay import decode
+
+
+def project(session: Session, records: list[dict], label: str, cost) -> dict:
+    """{"tokens", "passes", "seconds", "plain_seconds"} of one row over the recorded questions."""
+    name, *variant = label.split(":")
+    args = dict(v.split("=", 1) for v in variant)
+    budget = int(args.pop("budget")) if "budget" in args else None
+    params = {"persist": False} if name in ("auto", "ssd") else {}
+    tokens = passes = 0
+    seconds = plain = 0.0
+    sizer = None if budget is not None else Sizer(cost)  # one per row, as bench's rows keep theirs
+    for rec in records:
+        drafter = session.make_drafter(name, **params)
+        history: list[int] = []
+        for turn in rec["turns"]:
+            if not turn["out"]:
+                continue
+            history = start_request(drafter, history, turn["prompt"])
+            base = len(history)
+            r = decode(drafter, history, turn["out"], budget if budget is not None else 63, sizer, cost.cost)
+            tokens += r.tokens
+            passes += r.steps
+            seconds += r.pass_seconds
+            plain += sum(cost.cost(1, base + i) for i in range(len(turn["out"])))
+            drafter.end_request()
+    return {"tokens": tokens, "passes": passes, "seconds": seconds, "plain_seconds": plain}
+
+
+def cost_lines(cost) -> list[str]:
+    """The measured table, relative to one row at each context (Markdown rows)."""
+    sizes = [r for r in cost.sizes if r in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64)]
+    lines = ["| cached tokens | one row | " + " | ".join(f"{r}" for r in sizes[1:]) + " |",
+             "|---:|---:|" + "---:|" * (len(sizes) - 1)]
+    for c in cost.contexts:
+        one = cost.table[c][1]
+        lines.append(f"| {c} | {1e3 * one:.0f} ms | " + " | ".join(f"{cost.table[c][r] / one:.2f}" for r in sizes[1:]) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recordings", nargs="*", help="`cacheback-mlx bench --record` folders")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rows", default="auto,auto:budget=7")
+    ap.add_argument("--contexts", default="512,2048", help="cached tokens the pass cost is measured at")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of the measurement (the fastest is kept)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cut each recorded turn to this many tokens")
+    a = ap.parse_args()
+    session = Session(a.model, "none", fixed_budget=True)
+    t0 = time.perf_counter()
+    cost = measure(session.loaded.model, contexts=tuple(int(c) for c in a.contexts.split(",")),
+                   repeats=a.repeats, vocab=session.engine.vocab_size)
+    print(f"model {session.loaded.name} ({session.loaded.dtype}); pass cost by rows, x one row "
+          f"(measured in {time.perf_counter() - t0:.0f} s):")
+    print("\n".join(cost_lines(cost)))
+    if not a.recordings:
+        return
+    print("\n| recording | column | row | MAT | projected speedup vs plain |")
+    print("|---|---|---|---:|---:|")
+    per_row: dict[str, list[float]] = {}
+    for folder in a.recordings:
+        rec = B.load_recording(folder)
+        records = rec["prompts"] if a.max_tokens is None else B.cut_recording(rec["prompts"], a.max_tokens)
+        for col, part in (("spec_bench", [r for r in records if r["column"] != "humaneval"]),
+                          ("humaneval", [r for r in records if r["column"] == "humaneval"])):
+            if not part:
+                continue
+            for label in a.rows.split(","):
+                r = project(session, part, label, cost)
+                x = r["plain_seconds"] / r["seconds"]
+                per_row.setdefault(f"{col} {label}", []).append(x)
+                print(f"| {Path(folder).name} | {col} | {label} | {r['tokens'] / r['passes']:.2f} | {x:.2f}x |", flush=True)
+    for key, xs in per_row.items():
+        print(f"{key}: mean {np.mean(xs):.2f}x, range {min(xs):.2f}-{max(xs):.2f} over {len(xs)} recordings")
+
+
+if __name__ == "__main__":
+    main()
