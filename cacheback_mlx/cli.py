@@ -295,13 +295,14 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     import mlx.core as mx
 
     from . import bench as B
+    from . import recording as R
     from .api import Session
 
     from .budget import Sizer, cpu_name
 
     if record_dir and forced_dir:
         raise CachebackError("--record and --forced do not go together (record first, then run forced)")
-    recording = B.load_recording(forced_dir) if forced_dir else None
+    recording = R.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
     if recording is not None and recording.get("fingerprint") != session.fingerprint:
         raise CachebackError(f"{forced_dir} was recorded with another tokenizer ({recording.get('model')}); "
@@ -338,8 +339,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     if record_dir:
         from tqdm import tqdm
 
-        records = [B.record_prompt(session, p, max_tokens) for p in tqdm(plist, desc="recording", unit=" prompt")]
-        out = B.save_recording(record_dir, records, {**meta, "fingerprint": session.fingerprint})
+        records = [R.record_prompt(session, p, max_tokens) for p in tqdm(plist, desc="recording", unit=" prompt")]
+        out = R.save_recording(record_dir, records, {**meta, "fingerprint": session.fingerprint})
         click.echo(f"{len(records)} prompts, {sum(len(t['out']) for r in records for t in r['turns'])} tokens -> {out}")
         return
     cost = session.verify_cost()
@@ -360,14 +361,14 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
                                  budget if fixed else draft_budget)
     if recording is not None:
-        meta.update({k: recording.get(k) for k in ("max_tokens", "per_category", "humaneval_prompts", "prompts",
-                                                   "categories", "seed")})
+        meta.update({k: recording.get(k) for k in ("max_tokens", "per_category", "humaneval_prompts", "categories", "seed")},
+                    prompts=recording.get("prompt_sets"))
         records = recording["prompts"]
         if click.get_current_context().get_parameter_source("max_tokens") == click.core.ParameterSource.COMMANDLINE:
-            records = B.cut_recording(records, max_tokens)  # each turn's first max_tokens tokens
+            records = R.cut_recording(records, max_tokens)  # each turn's first max_tokens tokens
             meta["max_tokens"] = max_tokens
         meta["forced"] = f"projected (acceptance of {recording.get('model')})"
-        runs = B.run_forced_bench(session, records, instances, warmup=warmup, with_mlx_lm=not no_mlx_lm)
+        runs = R.run_forced_bench(session, records, instances, warmup=warmup, with_mlx_lm=not no_mlx_lm)
     else:
         runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
     summary = B.summarize(runs)

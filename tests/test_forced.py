@@ -6,6 +6,7 @@ import pytest
 from mlx_lm.models import llama
 
 from cacheback_mlx import bench as B
+from cacheback_mlx import recording as R
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.engine import Engine, accept, forced_picks
 from cacheback_mlx.errors import CachebackError
@@ -104,12 +105,12 @@ class Session:
 def test_forced_bench_rows_replay_and_mlx_lm_count_the_same_tokens(model, tmp_path):
     records = [{"id": s["id"], "column": s["cat"], "turns": [{"prompt": s["prompt"], "out": s["out"]}]}
                for s in streams(2, 24)]
-    B.save_recording(tmp_path, records, {"model": "test", "fingerprint": "x"})
-    data = B.load_recording(tmp_path)
-    assert data["prompts"] == records and B.requests_of(records[0])[0]["max_tokens"] == 24
+    R.save_recording(tmp_path, records, {"model": "test", "fingerprint": "x"})
+    data = R.load_recording(tmp_path)
+    assert data["prompts"] == records and R.requests_of(records[0])[0]["max_tokens"] == 24
     session = Session(model)
     rows = {"none": B.Row(make_drafter("none"), None, 7), "ngram": B.Row(make_drafter("ngram"), None, 7)}
-    runs = B.run_forced_bench(session, data["prompts"], rows, warmup=1, progress=False)
+    runs = R.run_forced_bench(session, data["prompts"], rows, warmup=1, progress=False)
     assert {r.drafter for r in runs} == {"none", "ngram", B.MLX_LM} and len(runs) == 6
     assert all(len(r.tokens) == 24 for r in runs)  # mlx-lm too: the same token counts, no EOS stop
     assert not B.mismatches([r for r in runs if r.drafter != B.MLX_LM])  # mlx-lm decodes its own picks
@@ -119,10 +120,10 @@ def test_forced_bench_rows_replay_and_mlx_lm_count_the_same_tokens(model, tmp_pa
 
 def test_a_folder_that_is_not_a_recording_is_one_line_error(tmp_path):
     with pytest.raises(CachebackError, match="cannot read"):
-        B.load_recording(tmp_path)
+        R.load_recording(tmp_path)
     (tmp_path / "streams.json").write_text('{"format": "other"}')
     with pytest.raises(CachebackError, match="not a `bench --record`"):
-        B.load_recording(tmp_path)
+        R.load_recording(tmp_path)
 
 
 def test_bench_record_then_forced_from_the_command_line(tmp_path):
@@ -148,7 +149,7 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
     r = cli("bench", "--model", model, "--forced", str(rec), "--warmup", "0", "--json", str(tmp_path / "f.json"),
             "--drafters", "ngram:budget=7", timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "projected (acceptance of" in r.stdout
+    assert "projected (acceptance of" in r.stdout and "prompts=['humaneval']" in r.stdout
     runs = json.loads((tmp_path / "f.json").read_text())["runs"]
     assert {x["drafter"] for x in runs} == {"none", "ngram:budget=7", "mlx-lm"}
     assert all(x["turns"] == counts[i:i + 1] for i in range(2) for x in runs if x["prompt"] == f"HumanEval/{i}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cacheback_mlx import bench as B
+from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer, measure
 from cacheback_mlx.engine import start_request
@@ -85,8 +85,8 @@ def main() -> None:
     print("|---|---|---|---:|---:|")
     per_row: dict[str, list[float]] = {}
     for folder in a.recordings:
-        rec = B.load_recording(folder)
-        records = rec["prompts"] if a.max_tokens is None else B.cut_recording(rec["prompts"], a.max_tokens)
+        rec = R.load_recording(folder)
+        records = rec["prompts"] if a.max_tokens is None else R.cut_recording(rec["prompts"], a.max_tokens)
         for col, part in (("spec_bench", [r for r in records if r["column"] != "humaneval"]),
                           ("humaneval", [r for r in records if r["column"] == "humaneval"])):
             if not part:
