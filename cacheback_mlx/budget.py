@@ -233,7 +233,7 @@ class PassTimes:
     and 16, the counts a BLAS tiles, end bands. Ranges of context: past the contexts the table
     measured, passes of many rows cost relatively more than it says (attention grows with rows x
     context); learned over long prompts and applied to a short one, that priced 8 rows too high
-    and the sizer sent too few drafts (docs/BENCHMARKS.md §9, stop 32)."""
+    and the sizer sent too few drafts (docs/BENCHMARKS.md §9)."""
 
     BANDS = np.array([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192])  # band b: BANDS[b-1] < rows <= BANDS[b]
     CONTEXTS = np.array([512, 1536, 3072])  # range c: CONTEXTS[c-1] <= cached tokens < CONTEXTS[c]
