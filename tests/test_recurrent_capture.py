@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-from mlx_lm.generate import generate_step
 from mlx_lm.models import gated_delta, ssm
+from test_families import reference
 
 from cacheback_mlx import recurrent
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
@@ -35,11 +35,6 @@ def test_every_hybrid_family_is_placed():
 @pytest.fixture(scope="module", params=CAPTURING)
 def capturing(request):
     return request.param, zoo.tiny_model(request.param)
-
-
-def reference(model, prompt, n):
-    """mlx-lm's own greedy decoding, with the model's own caches."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 class PartlyRight(Drafter):
