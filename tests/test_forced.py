@@ -157,3 +157,7 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
     (rec / "streams.json").write_text(json.dumps(streams))
     assert_one_line_error(cli("bench", "--model", model, "--forced", str(rec)), "another tokenizer")
     assert_one_line_error(cli("bench", "--model", model, "--forced", str(tmp_path)), "cannot read")
+    assert_one_line_error(cli("bench", "--model", model, "--forced", str(rec), "--record", str(tmp_path / "x")),
+                          "do not go together")
+    assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "a,b"), "--contexts")
+    assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "100000"), "--contexts")
