@@ -27,7 +27,7 @@ from mlx_lm.models import activations as mlx_lm_activations
 from .attention import exp_parts
 
 enabled = os.environ.get("CACHEBACK_MLX_FAST_SILU", "1") != "0"
-VERSION = 1  # part of the verify-cost cache key (budget.cost_path)
+VERSION = 1  # part of the verify-cost cache key (costs.cost_path)
 MIN_SIZE = 4096  # elements of the gate: below (one or two rows) MLX's kernel is as fast
 stock = mlx_lm_activations.swiglu
 _local = threading.local()

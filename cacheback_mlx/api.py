@@ -7,7 +7,11 @@ from typing import Iterator, Sequence
 
 from mlx.utils import tree_flatten
 
-from .budget import CostTable, Sizer, load_or_measure
+import time
+
+from . import cores
+from .budget import Sizer
+from .costs import CostFile, CostTable, Measurement, PriorCost, load_or_measure, plan_measurement
 from .drafters import drafter_names, drafter_parameters, make_drafter
 from .engine import Engine, Stats
 from .errors import CachebackError
@@ -42,6 +46,12 @@ def truncate_left(ids: Sequence[int], context_length: int, max_tokens: int, keep
     return head + ids[len(ids) - (room - len(head)):]
 
 
+def cost_file(loaded: LoadedModel) -> CostFile:
+    """Where this machine keeps what a model's passes cost (costs.CostFile)."""
+    params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
+    return CostFile(f"{loaded.name}|{loaded.dtype}|{vocab_fingerprint(loaded.tokenizer)}|{params}")
+
+
 class Session:
     """One model, its KV cache and a drafter. Keeps both across calls, so a conversation's later
     turns only prefill their new tokens and the drafter keeps what it learned."""
@@ -50,7 +60,8 @@ class Session:
                  dtype: str | None = None, draft_budget: int | None = None, fixed_budget: bool = False,
                  peers=None, **drafter_params):
         """draft_budget caps the draft tokens per pass; each pass takes as many as pay for their
-        rows by the model's measured pass cost (measured once, a few seconds, then cached), or
+        rows by the model's pass cost (costs.py: a measured table if this machine has one, else a
+        prior fitted to the engine's own passes; nothing is measured before the first token), or
         exactly draft_budget (default: per backend) with fixed_budget.
         peers: the other ranks of a sharded model (distributed.Leader); the budget is then fixed
         (measuring pass costs would run passes the other ranks do not mirror)."""
@@ -63,15 +74,73 @@ class Session:
         self.drafter_name, self.drafter_params = drafter, drafter_params
         self.engine = Engine(self.loaded.model, self.tokenizer.eos_token_ids, first_drafter,
                              self.loaded.context_length, draft_budget=draft_budget, peers=peers)
+        self.cost_file = cost_file(self.loaded)
+        self._measurement: Measurement | None = None
+        self._measure_tries = 0
+        self._looked = time.monotonic()
         if not fixed_budget and peers is None:
-            self.engine.set_sizer(Sizer(self.verify_cost()), draft_budget)
+            self.engine.set_sizer(Sizer(self.pass_cost()), draft_budget)
+
+    def pass_cost(self) -> CostTable | PriorCost:
+        """What this machine knows of this model's pass costs: its cost file's table or learned
+        prior, else the prior from the model's shape. Never measures."""
+        return self.cost_file.read(self.engine.buckets) or PriorCost.for_model(self.loaded.model, self.engine.buckets)
 
     def verify_cost(self, remeasure: bool = False) -> CostTable:
-        """Seconds of a pass by rows and cached tokens for this model on this machine (budget.py)."""
-        params = sum(v.size for _, v in tree_flatten(self.loaded.model.parameters()))
-        key = f"{self.loaded.name}|{self.loaded.dtype}|{self.fingerprint}|{params}"
-        return load_or_measure(self.loaded.model, key, self.loaded.context_length, self.engine.buckets,
-                               vocab=self.engine.vocab_size, remeasure=remeasure)
+        """Seconds of a pass by rows and cached tokens for this model on this machine, measured now
+        if it never was (`bench`; costs.load_or_measure); the engine's sizer uses it from then on."""
+        table = load_or_measure(self.loaded.model, self.cost_file.key, self.loaded.context_length, self.engine.buckets,
+                                vocab=self.engine.vocab_size, remeasure=remeasure)
+        if self.engine.sizer is not None:
+            self.engine.sizer.set_cost(table)
+        return table
+
+    def _prior(self) -> PriorCost | None:
+        sizer = self.engine.sizer
+        return sizer.cost if sizer is not None and isinstance(sizer.cost, PriorCost) else None
+
+    def look_for_table(self, every: float = 2.0) -> None:
+        """Take up a table another process measured meanwhile (checked at most every `every` s)."""
+        if self._prior() is None or time.monotonic() - self._looked < every:
+            return
+        self._looked = time.monotonic()
+        table = self.cost_file.read(self.engine.buckets)
+        if isinstance(table, CostTable):
+            self.engine.sizer.set_cost(table)
+
+    def keep_learned(self, min_passes: int = 8) -> None:
+        """Save what the prior learned from this process's passes, for the next process to start
+        from (costs.CostFile.keep_learned: a measured table, or one learned from as much, stays)."""
+        prior = self._prior()
+        if prior is not None and prior.seen >= min_passes:
+            self.cost_file.keep_learned(prior)
+
+    def measure_step(self) -> bool:
+        """One step (a pass) of measuring this model's table in idle time (`serve`): False when
+        there is nothing to do now (a table is in use, another process of ours is busy or
+        measuring, or two measurements came out under load). Once the table is complete and was
+        measured quietly it is saved and priced by from then on."""
+        prior = self._prior()
+        if prior is None or self._measure_tries >= 2 or cores.share.others_busy():
+            return False
+        if self._measurement is None:
+            if not self.cost_file.try_lock():
+                return False  # another process is measuring: look_for_table takes its table up
+            if isinstance(self.cost_file.read(), CostTable):  # measured meanwhile
+                self.cost_file.unlock()
+                self.look_for_table(every=0)
+                return False
+            self._measurement = plan_measurement(self.loaded.model, self.loaded.context_length,
+                                                 self.engine.vocab_size, self.engine.buckets)
+        with cores.share.busy():
+            if self._measurement.step():
+                return True
+        table = self.cost_file.keep_measured(self._measurement, reference=prior.fastest_step())
+        self._measurement, self._measure_tries = None, self._measure_tries + 1
+        self.cost_file.unlock()
+        if table is not None:
+            self.engine.sizer.set_cost(table)
+        return False
 
     @property
     def stats(self) -> Stats:
@@ -135,10 +204,14 @@ class Session:
             prompt_ids = self.fit(prompt_ids, max_tokens)[0]
         detok = self.tokenizer.detokenizer
         detok.reset()
-        for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context):
-            for t in tokens:
-                detok.add_token(t)
-            yield detok.last_segment, tokens
+        self.look_for_table()
+        try:
+            for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context):
+                for t in tokens:
+                    detok.add_token(t)
+                yield detok.last_segment, tokens
+        finally:
+            self.keep_learned()
         detok.finalize()
         if detok.last_segment:
             yield detok.last_segment, []

@@ -32,7 +32,7 @@ COEFFS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.0096181
           0.0013333558146428443, 0.00015403530393381608, 1.525273380405984e-05)
 
 enabled = os.environ.get("CACHEBACK_MLX_FAST_ATTENTION", "1") != "0"
-VERSION = 3  # where it is used and how fast: part of the verify-cost cache key (budget.cost_path)
+VERSION = 3  # where it is used and how fast: part of the verify-cost cache key (costs.cost_path)
 stock = base.scaled_dot_product_attention
 
 

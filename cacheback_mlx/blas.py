@@ -35,6 +35,8 @@ _CORE_FLAGS = {
 
 status: str = "not attempted"
 """What happened, for `cacheback-mlx doctor` and the tests."""
+library: ctypes.CDLL | None = None
+"""The OpenBLAS loaded (its thread count is set through it: cores.py)."""
 
 
 def _openblas_path() -> Path | None:
@@ -112,7 +114,7 @@ def _load_soname_copy(src: Path, soname: str) -> bool:
 
 def preload_openblas() -> str:
     """Load OpenBLAS globally if this is Linux x86_64 and the CPU can run it. Returns the status."""
-    global status
+    global status, library
     if os.environ.get("CACHEBACK_MLX_OPENBLAS", "1") == "0":
         status = "off (CACHEBACK_MLX_OPENBLAS=0)"
     elif sys.platform != "linux" or platform.machine() != "x86_64":
@@ -133,11 +135,22 @@ def preload_openblas() -> str:
             status = "skipped: no libgfortran.so.5 found"
         else:
             try:
-                ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+                library = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
                 status = f"loaded {lib} ({core})"
             except OSError as e:
                 status = f"failed: {e}"
     return status
+
+
+def threads() -> int | None:
+    """The threads OpenBLAS runs a product on (None: no OpenBLAS loaded)."""
+    return int(library.openblas_get_num_threads()) if library is not None else None
+
+
+def set_threads(n: int) -> None:
+    """Run OpenBLAS's products on n threads from now on (call between passes, not during one)."""
+    if library is not None:
+        library.openblas_set_num_threads(int(n))
 
 
 # The weights' layout in memory. MLX computes a linear layer as x @ W.T with W stored [out, in];

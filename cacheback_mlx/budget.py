@@ -1,7 +1,7 @@
 """How many draft tokens each pass gets: the count that maximises expected tokens per second.
 
-A pass over r rows costs cost(r) seconds (measured once per model, device and dtype: `measure`,
-cached on disk, re-measured by `cacheback-mlx bench --verify-cost`). A tree whose first n nodes
+A pass over r rows costs cost(r) seconds (costs.py: a table measured once per model, device and
+dtype, or until then a prior fitted to the engine's own timed passes). A tree whose first n nodes
 have acceptance probabilities s_1..s_n (DraftTree.scores: each node's whole root path accepted)
 yields 1 + s_1 + ... + s_n tokens on average, the model's own token included. Each step keeps the
 n that maximises (1 + sum s) / cost(lead + n): 0 drafts when nothing is likely to be accepted,
@@ -25,81 +25,13 @@ not (Calibration, known_outcomes).
 
 from __future__ import annotations
 
-import bisect
 import collections
-import hashlib
-import json
-import logging
-import os
-import platform
-import sys
-import time
-from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
+from .costs import CostTable, PriorCost
 from .tree import DraftTree
 from .verify import padded_size
-
-log = logging.getLogger(__name__)
-
-# Rows measured: every count up to 16, then 24, 32 and 64 (~25 s in all for the default model on
-# a 2-core CPU). Not just powers of two: a BLAS's matrix product runs fastest on row counts its
-# kernels tile exactly, so on this project's CPU 8 rows cost less than 5, 6 or 7, and 16 less
-# than 13 to 15. Past 16 a pass is padded to the next measured count (Sizer.rows).
-SIZES = tuple(range(1, 17)) + (24, 32, 64)
-CONTEXTS = (256, 1024)  # cached tokens measured (attention over a longer cache costs more per row)
-FORMAT = "cacheback-verify-cost/2"
-
-
-class CostTable:
-    """Seconds per pass by (cached tokens, rows), interpolated between measured points."""
-
-    def __init__(self, table: dict[int, dict[int, float]], buckets: tuple[int, ...] | None = None):
-        self.contexts = sorted(int(c) for c in table)
-        self.table = {int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in table.items()}
-        if not self.contexts or any(not rows for rows in self.table.values()):
-            raise ValueError("empty cost table")
-        self.buckets = buckets
-
-    @property
-    def sizes(self) -> list[int]:
-        """The row counts measured at every context."""
-        return sorted(set.intersection(*(set(rows) for rows in self.table.values())))
-
-    def _at(self, context: int, rows: int) -> float:
-        points = self.table[context]
-        sizes = sorted(points)
-        rows = padded_size(rows, self.buckets)  # a pass padded to its bucket costs what the bucket costs
-        i = bisect.bisect_left(sizes, rows)
-        if i < len(sizes) and sizes[i] == rows:
-            return points[rows]
-        lo, hi = (sizes[-2], sizes[-1]) if i >= len(sizes) else (sizes[max(i - 1, 0)], sizes[i])
-        if lo == hi:
-            return points[lo]
-        return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
-
-    def cost(self, rows: int, context: int = 0) -> float:
-        """Seconds for a pass of `rows` rows over `context` cached tokens."""
-        cs = self.contexts
-        if len(cs) == 1:
-            return self._at(cs[0], rows)
-        j = min(max(bisect.bisect_left(cs, context), 1), len(cs) - 1)
-        lo, hi = cs[j - 1], cs[j]
-        context = min(max(context, lo), 4 * hi)  # extrapolate past the longest measured, not wildly
-        a, b = self._at(lo, rows), self._at(hi, rows)
-        return max(a + (b - a) * (context - lo) / (hi - lo), 1e-9)
-
-    def to_json(self) -> dict:
-        return {"format": FORMAT, "seconds": {str(c): {str(r): t for r, t in rows.items()} for c, rows in self.table.items()}}
-
-    @staticmethod
-    def from_json(data: dict, buckets: tuple[int, ...] | None = None) -> "CostTable":
-        if data.get("format") != FORMAT:
-            raise ValueError("not a verify-cost file")
-        return CostTable({int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in data["seconds"].items()}, buckets)
-
 
 def expected_tokens(scores: np.ndarray) -> np.ndarray:
     """[n + 1]: the tokens a pass yields on average with the first n nodes sent, its own included."""
@@ -282,7 +214,7 @@ class Sizer:
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
 
-    def __init__(self, cost: CostTable, pad: bool = True, learn: bool = True):
+    def __init__(self, cost: CostTable | PriorCost, pad: bool = True, learn: bool = True):
         """pad: passes may be padded to a cheaper measured row count (the engine turns it off
         for recurrent layers, where padded rows would run the recurrence). learn: correct the
         table's prices from the passes' own times (`timed`)."""
@@ -304,11 +236,31 @@ class Sizer:
         self.tried = 0  # passes sent at the runner-up size
         self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
 
+    def set_cost(self, cost: CostTable | PriorCost) -> None:
+        """Price passes by `cost` from now on (a table measured meanwhile); what was learned of the
+        old prices is dropped."""
+        self.cost = cost
+        self._relearn()
+
+    def _relearn(self) -> None:
+        self.times, self.factors = PassTimes(), {}
+        self._plans.clear()
+        self._caps.clear()
+
+    def prefilled(self, rows: int, context: int, seconds: float) -> None:
+        """A prefill chunk of `rows` tokens after `context` cached ones took `seconds`: a point of
+        the prior's curve (a measured table ignores it)."""
+        if self.learn and self.cost.observe(rows, context, seconds):
+            self._relearn()
+
     def timed(self, rows: int, context: int, seconds: float) -> None:
         """A pass of `rows` rows (as run, padding included) over `context` cached tokens took
-        `seconds`; every RELEARN passes the prices are corrected from these (PassTimes)."""
+        `seconds`; every RELEARN passes the prices are corrected from these (PassTimes). A prior
+        is refitted to them too (costs.PriorCost), and the corrections then start over."""
         if not self.learn or seconds <= 0:
             return
+        if self.cost.observe(rows, context, seconds):
+            self._relearn()
         self.times.add(rows, context, seconds / self.cost.cost(rows, context))
         if self.times.n % self.RELEARN == 0:
             self.factors = self.times.factors()
@@ -451,84 +403,3 @@ class Sizer:
             accepted[path] = True
             self.calibration.update(tree.scores, accepted)
         self._sent = None
-
-
-# -- measuring -----------------------------------------------------------------------------------
-def measure(model, sizes=SIZES, contexts=CONTEXTS, repeats: int = 3, vocab: int = 32,
-            buckets: tuple[int, ...] | None = None) -> CostTable:
-    """Time of a pass over r rows after c cached tokens, for each c in contexts and r in sizes.
-    Every (context, size) is measured round-robin, `repeats` rounds after a warm-up round (a new
-    shape may compile), and the fastest time of each is kept: a busy machine slows some passes,
-    never speeds them up, and round-robin over contexts and sizes alike spreads a slow spell over
-    all of them (measured one context after the other, a spell over one context's rounds skewed
-    its ratios). Uses its own caches, one per context (the model's real ones are not touched);
-    each pass is undone."""
-    from .kvcache import ModelCache
-    from .verify import prefill, verify_pass
-
-    caches = {}
-    for c in sorted(contexts):
-        caches[c] = ModelCache(model)
-        prefill(model, caches[c], [(100 + i) % vocab for i in range(c)])
-    rows = sorted({padded_size(s, buckets) for s in sizes})
-    table = {c: {r: float("inf") for r in rows} for c in caches}
-    for round_ in range(repeats + 1):
-        for r in rows:
-            draft = DraftTree.chain([(7 + i) % vocab for i in range(r - 1)])
-            for c, cache in caches.items():
-                t0 = time.perf_counter()
-                mx.eval(verify_pass(model, cache, [5], draft, buckets))
-                t = time.perf_counter() - t0
-                cache.finish_pass([], whole=False)
-                if round_:
-                    table[c][r] = min(table[c][r], t)
-    return CostTable(table, buckets)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cost_path(model_key: str) -> Path:
-    """Where a model's cost table is kept: one file per (model, dtype, device, machine, mlx,
-    attention.py's CPU attention: off, or which version of it, activations.py's SwiGLU, the
-    weights' layout (blas.py) and this file's format)."""
-    from . import activations, attention, blas
-
-    ident = "|".join([FORMAT, model_key, str(mx.default_device()), cpu_name(), mx.__version__]
-                     + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"]
-                     + ([f"swiglu/{activations.VERSION}"] if activations.enabled else [])
-                     + (["weights [in, out]"] if blas.weight_layout_wanted() else []))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")
-
-
-def load_or_measure(model, model_key: str, context_length: int, buckets: tuple[int, ...] | None = None,
-                    vocab: int = 32, remeasure: bool = False) -> CostTable:
-    """The cached table for this model and machine, or a new measurement (a few seconds), saved."""
-    path = cost_path(model_key)
-    if not remeasure and path.is_file():
-        try:
-            return CostTable.from_json(json.loads(path.read_text()), buckets)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("verify cost: %s is unreadable (%s); measuring again", path, e)
-    contexts = tuple(c for c in CONTEXTS if c + max(SIZES) < context_length) or (max(1, context_length // 4),)
-    sizes = tuple(s for s in SIZES if contexts[-1] + s < context_length)
-    print("cacheback-mlx: measuring the cost of a verify pass for this model and machine (once; "
-          f"cached in {path.parent})", file=sys.stderr, flush=True)
-    table = measure(model, sizes, contexts, vocab=vocab, buckets=buckets)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**table.to_json(), "model": model_key, "device": str(mx.default_device()),
-                                   "cpu": cpu_name(), "mlx": mx.__version__}, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("verify cost: cannot save %s: %s", path, e)
-    return table

@@ -298,7 +298,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     from . import recording as R
     from .api import Session
 
-    from .budget import Sizer, cpu_name
+    from .budget import Sizer
+    from .costs import cpu_name
 
     if record_dir and forced_dir:
         raise CachebackError("--record and --forced do not go together (record first, then run forced)")
@@ -309,7 +310,7 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
                              "a forced run needs the same vocabulary")
     if verify_cost:
         if contexts:
-            from .budget import SIZES, measure
+            from .costs import SIZES, measure
 
             try:
                 at = tuple(int(c) for c in contexts.split(",") if c)
@@ -399,7 +400,7 @@ def doctor(model_spec, drafter, drafter_args):
     short generation with that drafter and the drafter's own stats."""
     import mlx.core as mx
 
-    from .budget import cost_path
+    from .costs import cost_path
     from .engine import MAX_DRAFT, default_draft_budget
 
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -417,7 +418,10 @@ def doctor(model_spec, drafter, drafter_args):
         click.echo(f"engine's CPU kernels: {', '.join(on) or 'none: MLX its own'}")
     if mx.default_device().type == mx.DeviceType.gpu:
         click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} (MLX_ENABLE_TF32; CUDA float32 matmuls)")
-    click.echo(f"draft budget: chosen per pass from the measured pass cost, at most {MAX_DRAFT} "
+    from . import cores
+
+    click.echo(cores.share.describe())
+    click.echo(f"draft budget: chosen per pass from the pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
     if model_spec is not None:
         from .drafters.base import NoDrafter
@@ -448,6 +452,15 @@ def doctor(model_spec, drafter, drafter_args):
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
+        from .api import cost_file
+        from .costs import CostTable, PriorCost
+
+        known = cost_file(loaded).read()
+        click.echo("pass cost: " + (
+            "a measured table" if isinstance(known, CostTable) else
+            f"a line learned from {known.seen} timed passes" if isinstance(known, PriorCost) else
+            "nothing known yet: a line from the model's shape, fitted to the first passes")
+            + " (`serve` measures a table in its idle time; `bench --verify-cost` now)")
     if drafter is not None:
         from .api import Session
 

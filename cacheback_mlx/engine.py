@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import cores
 from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
@@ -284,8 +285,8 @@ class Engine:
         return kept
 
     def _prefill(self, tokens: list[int]) -> None:
-        if self.peers is None:
-            return prefill(self.model, self.cache, tokens)
+        if self.peers is None:  # each chunk's time is a point of the pass cost's prior (costs.PriorCost)
+            return prefill(self.model, self.cache, tokens, timed=self.sizer.prefilled if self.sizer else None)
         for i in range(0, len(tokens), PREFILL_CHUNK):  # one announced pass per chunk
             part = tokens[i : i + PREFILL_CHUNK]
             with self.peers.prefill(part):
@@ -331,7 +332,8 @@ class Engine:
         the next request that starts with this prompt only prefills what follows it."""
         prompt = self.check(prompt, 0)
         self.stats = Stats(prompt_tokens=len(prompt))
-        self._start(prompt, context, slot=slot)
+        with cores.share.busy():
+            self._start(prompt, context, slot=slot)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
                  context=(), slot: int | None = None, forced: Sequence[int] | None = None) -> Iterator[list[int]]:
@@ -357,75 +359,77 @@ class Engine:
         # per-step sizing prices the tail's rows (fixed budgets would lose drafts to them); a
         # recurrent model undoes a pass not accepted whole, so its tail is prefilled as before
         tail = LEAD_TAIL if self.sizer is not None and not self.cache.recurrent else 1
-        self._start(prompt, context, tail, slot)
-        t_start = time.perf_counter()
-        try:
-            while stats.tokens < max_tokens:
-                # draft (a fixed budget's pass keeps its size: the lead's extra rows come out of
-                # it; a sizer prices the lead's rows instead)
-                lead = self.lead
-                budget = min(self.draft_budget - (len(lead) - 1 if self.sizer is None else 0),
-                             max_tokens - stats.tokens - 1,
-                             self.context_length - len(self.cached) - len(lead) - 1)
-                if self.sizer is not None:
-                    budget = min(budget, self.sizer.cap(budget, len(self.cached)))
-                t0 = time.perf_counter()
-                tree = DraftTree.empty()
-                if budget > 0:
-                    tree = self.drafter.propose(self.history, budget, max_branching=self.max_branching)
-                    tree = tree.truncate(budget).keep_valid(self.vocab_size)
-                    if self.chain_reason and not tree.is_chain():
-                        tree = tree.first_path()
-                    if self.sizer is not None:  # as many nodes as pay for their rows
-                        tree = self.sizer.choose(tree, len(lead), len(self.cached))
-                size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.pass_rows)
-                if self.sizer is not None:
-                    size = self.sizer.pass_rows(size, len(self.cached))
-                size = padded_size(size, self.buckets)
-                stats.draft_s += time.perf_counter() - t0
-                # verify: lead + draft in one pass
-                t0 = time.perf_counter()
-                logits = self._verify(lead, tree, size)
-                picks = pick(logits).tolist()  # evaluates the pass, forced or not
-                if forced is not None:
-                    picks = forced_picks(tree, forced[stats.tokens :])
-                seconds = time.perf_counter() - t0
-                stats.verify_s += seconds
-                if self.sizer is not None:  # what a pass of this size really costs here
-                    self.sizer.timed(size, len(self.cached), seconds)
-                # accept the longest path the model agrees with, plus its bonus token
-                path, bonus = accept(tree, picks)
-                accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
-                if self.sizer is not None:
-                    self.sizer.update(tree, path, accepted)
-                # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
-                rows = list(range(len(lead))) + [len(lead) + i for i in path]
-                whole = len(path) == len(tree) and size == len(rows)
-                if self._finish(rows, whole):
-                    self.cached.extend(lead + accepted[:-1])
-                    self.lead = [bonus]
-                else:
-                    self.lead = lead + accepted
-                    stats.undone += 1
-                stats.passes += 1
-                stats.drafted += len(tree)
-                # stop at EOS or the token limit
-                stop = next((i for i, t in enumerate(accepted) if t in self.eos_ids), None)
-                out = accepted[:stop][: max_tokens - stats.tokens]
-                # update the drafter
-                t0 = time.perf_counter()
-                self.history.extend(out)
-                self.drafter.observe(out)
-                stats.draft_s += time.perf_counter() - t0
-                stats.tokens += len(out)
-                stats.accepted += len(out) + (stop is not None and len(out) == stop)
-                if stop is not None and len(out) == stop:
-                    stats.stop_token = accepted[stop]
+        with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
+            self._start(prompt, context, tail, slot)
+            t_start = time.perf_counter()
+            try:
+                while stats.tokens < max_tokens:
+                    cores.share.adjust()  # another process may have started or ended
+                    # draft (a fixed budget's pass keeps its size: the lead's extra rows come out of
+                    # it; a sizer prices the lead's rows instead)
+                    lead = self.lead
+                    budget = min(self.draft_budget - (len(lead) - 1 if self.sizer is None else 0),
+                                 max_tokens - stats.tokens - 1,
+                                 self.context_length - len(self.cached) - len(lead) - 1)
+                    if self.sizer is not None:
+                        budget = min(budget, self.sizer.cap(budget, len(self.cached)))
+                    t0 = time.perf_counter()
+                    tree = DraftTree.empty()
+                    if budget > 0:
+                        tree = self.drafter.propose(self.history, budget, max_branching=self.max_branching)
+                        tree = tree.truncate(budget).keep_valid(self.vocab_size)
+                        if self.chain_reason and not tree.is_chain():
+                            tree = tree.first_path()
+                        if self.sizer is not None:  # as many nodes as pay for their rows
+                            tree = self.sizer.choose(tree, len(lead), len(self.cached))
+                    size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.pass_rows)
+                    if self.sizer is not None:
+                        size = self.sizer.pass_rows(size, len(self.cached))
+                    size = padded_size(size, self.buckets)
+                    stats.draft_s += time.perf_counter() - t0
+                    # verify: lead + draft in one pass
+                    t0 = time.perf_counter()
+                    logits = self._verify(lead, tree, size)
+                    picks = pick(logits).tolist()  # evaluates the pass, forced or not
+                    if forced is not None:
+                        picks = forced_picks(tree, forced[stats.tokens :])
+                    seconds = time.perf_counter() - t0
+                    stats.verify_s += seconds
+                    if self.sizer is not None:  # what a pass of this size really costs here
+                        self.sizer.timed(size, len(self.cached), seconds)
+                    # accept the longest path the model agrees with, plus its bonus token
+                    path, bonus = accept(tree, picks)
+                    accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
+                    if self.sizer is not None:
+                        self.sizer.update(tree, path, accepted)
+                    # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
+                    rows = list(range(len(lead))) + [len(lead) + i for i in path]
+                    whole = len(path) == len(tree) and size == len(rows)
+                    if self._finish(rows, whole):
+                        self.cached.extend(lead + accepted[:-1])
+                        self.lead = [bonus]
+                    else:
+                        self.lead = lead + accepted
+                        stats.undone += 1
+                    stats.passes += 1
+                    stats.drafted += len(tree)
+                    # stop at EOS or the token limit
+                    stop = next((i for i, t in enumerate(accepted) if t in self.eos_ids), None)
+                    out = accepted[:stop][: max_tokens - stats.tokens]
+                    # update the drafter
+                    t0 = time.perf_counter()
+                    self.history.extend(out)
+                    self.drafter.observe(out)
+                    stats.draft_s += time.perf_counter() - t0
+                    stats.tokens += len(out)
+                    stats.accepted += len(out) + (stop is not None and len(out) == stop)
+                    if stop is not None and len(out) == stop:
+                        stats.stop_token = accepted[stop]
+                    stats.decode_s = time.perf_counter() - t_start
+                    if out:
+                        yield out
+                    if stop is not None or len(out) < len(accepted):
+                        break
+            finally:
                 stats.decode_s = time.perf_counter() - t_start
-                if out:
-                    yield out
-                if stop is not None or len(out) < len(accepted):
-                    break
-        finally:
-            stats.decode_s = time.perf_counter() - t_start
-            self.drafter.end_request()
+                self.drafter.end_request()

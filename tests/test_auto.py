@@ -10,7 +10,9 @@ import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
-from cacheback_mlx.budget import CostTable, RankRates, Sizer, best_size, known_outcomes, load_or_measure, measure
+from cacheback_mlx.budget import RankRates, Sizer, best_size, known_outcomes
+from cacheback_mlx import costs
+from cacheback_mlx.costs import CostTable, load_or_measure, measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
@@ -62,9 +64,9 @@ def test_cost_table_interpolates_rows_contexts_and_buckets():
     assert t.cost(8, 0) == pytest.approx(1.2)  # below the shortest: the shortest
     gpu = CostTable({256: {1: 1.0, 8: 1.5, 16: 1.5}}, buckets=(1, 8, 16))
     assert gpu.cost(3) == gpu.cost(8) == 1.5
-    assert CostTable.from_json(t.to_json()).cost(12, 640) == pytest.approx(t.cost(12, 640))
+    assert costs.from_json(t.to_json()).cost(12, 640) == pytest.approx(t.cost(12, 640))
     with pytest.raises(ValueError):
-        CostTable.from_json({"format": "x"})
+        costs.from_json({"format": "x"})
 
 
 def test_sizer_caps_and_sizes_trees_from_a_fake_cost_table():

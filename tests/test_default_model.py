@@ -91,7 +91,8 @@ def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_out
 def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_outputs, drafter_params):
     """The default path: auto, passes sized per step from a cost curve whose 8 rows cost less than
     2-7 (so passes are padded), the uncached tail of a second turn leading the first pass."""
-    from cacheback_mlx.budget import CostTable, Sizer
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import CostTable
 
     padded = CostTable({256: {1: 1.0, 2: 1.5, 4: 1.5, 7: 1.5, 8: 1.2, 16: 2.0, 32: 3.5}})
     sizer = Sizer(padded)

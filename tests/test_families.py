@@ -8,7 +8,8 @@ import zoo
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 from mlx_lm.generate import generate_step
 
-from cacheback_mlx.budget import CostTable, Sizer
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine

@@ -10,7 +10,8 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.models import llama
 
-from cacheback_mlx.budget import SIZES, CostTable, Sizer
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import SIZES, CostTable
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine

@@ -25,7 +25,8 @@ import random
 
 import numpy as np
 
-from cacheback_mlx.budget import CostTable, Sizer
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import CostTable, from_json
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.replay import load_streams, longest_match, replay
@@ -153,7 +154,7 @@ def main():
 def load_cost(ap, path: str) -> CostTable:
     """A verify-cost JSON, or a one-line usage error."""
     try:
-        return CostTable.from_json(json.loads(open(path).read()))
+        return from_json(json.loads(open(path).read()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         ap.error(f"{path}: not a readable verify-cost file ({type(e).__name__}: {e})")
 

@@ -20,7 +20,8 @@ import sys
 
 from cacheback_mlx import bench as B
 from cacheback_mlx.api import Session
-from cacheback_mlx.budget import Sizer, cpu_name
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import cpu_name
 from cacheback_mlx.cli import parse_value
 
 

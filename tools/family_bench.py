@@ -25,7 +25,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, qwen3_5
 
-from cacheback_mlx.budget import measure
+from cacheback_mlx.costs import measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine

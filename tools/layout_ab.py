@@ -40,7 +40,7 @@ def two_copies(model):
 
 
 def use(layout: str) -> None:
-    """The cost tables are kept per layout (budget.cost_path reads the switch)."""
+    """The cost tables are kept per layout (costs.cost_path reads the switch)."""
     from cacheback_mlx import blas
 
     os.environ[blas.LAYOUT_ENV] = "0" if layout == LAYOUTS[0] else "1"

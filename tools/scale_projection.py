@@ -21,7 +21,8 @@ import numpy as np
 
 from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
-from cacheback_mlx.budget import Sizer, measure
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import measure
 from cacheback_mlx.engine import start_request
 from cacheback_mlx.replay import decode
 

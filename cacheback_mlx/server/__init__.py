@@ -8,6 +8,7 @@ error, never a 5xx.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,11 +23,13 @@ from .core import BodyGuard, Context, Generator, error
 
 def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20, strict_infill: bool = False,
                keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True,
-               infill_extra: int | None = 0, slots: int | None = 4) -> FastAPI:
+               infill_extra: int | None = 0, slots: int | None = 4, measure_idle: bool = False) -> FastAPI:
     """batch bounds /infill prompts the way llama.cpp's batch size does (prefix 3/4, suffix 1/4);
     infill_extra: tokens of extra chunks in a prefix-only /infill prompt (None: all that fit; fim.py);
     slots: sequences whose caches are kept at once, e.g. one per file an editor flips between
-    (slots.py; serve's default; None: as the session's engine has them).
+    (slots.py; serve's default; None: as the session's engine has them);
+    measure_idle: measure the model's pass costs while no request runs (core.Generator; `serve`
+    does, an app embedded in a test or tool does not unless asked).
     To measure what they bring: keep_drafter=False gives every request a fresh drafter,
     stable_prefix=False cuts /infill prefixes at their last lines that fit (fim.py)."""
     loaded = session.loaded
@@ -38,7 +41,10 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        measuring = asyncio.create_task(ctx.gen.measure_when_idle()) if measure_idle else None
         yield
+        if measuring is not None:
+            measuring.cancel()
         await ctx.gen.close()
 
     app = FastAPI(title="cacheback-mlx", version="0.1.0", lifespan=lifespan)
@@ -62,4 +68,4 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8012, **options):
     import uvicorn
 
-    uvicorn.run(create_app(session, **options), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(session, measure_idle=True, **options), host=host, port=port, log_level="warning")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -153,11 +154,27 @@ class Generator:
     """Runs jobs one at a time on the shared Session, step by step, all on ONE worker thread (MLX
     arrays and streams belong to the thread that made them)."""
 
+    IDLE_S = 2.0  # quiet this long before the model's pass costs are measured (measure_when_idle)
+
     def __init__(self, session: Session, keep_drafter: bool = True):
         self.session = session
         self.keep_drafter = keep_drafter  # False: a fresh drafter per request (measurements)
         self.turn = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.last_request = time.monotonic()
+
+    async def measure_when_idle(self) -> None:
+        """Measure the model's pass costs in the server's idle time (api.Session.measure_step):
+        one pass at a time, each holding `turn`, so a request that arrives waits one pass at most
+        (a waiting request takes the lock before the next step). Until the table is complete the
+        engine prices passes by the prior it learns from its own passes."""
+        while True:
+            await asyncio.sleep(self.IDLE_S)
+            while time.monotonic() - self.last_request >= self.IDLE_S and not self.turn.locked():
+                async with self.turn:
+                    more = await self.call(self.session.measure_step)
+                if not more:
+                    break
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -241,6 +258,7 @@ class Generator:
         """Run a job to its end (n times when sampling; greedy runs once and is repeated); stops
         early when the client goes away, freeing the model for the next request."""
         runs = [job] + [Job(**{**job.__dict__, "timings": {}}) for _ in range(n - 1)]
+        self.last_request = time.monotonic()
         async with self.turn:
             if await request.is_disconnected():  # gave up while waiting its turn (an editor's keystroke)
                 return []
@@ -261,6 +279,7 @@ class Generator:
     async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict],
                      done_marker: bool) -> AsyncIterator[str]:
         """Server-sent events: one per piece, the last with done=True; ends on disconnect."""
+        self.last_request = time.monotonic()
         async with self.turn:
             if await request.is_disconnected():
                 return
