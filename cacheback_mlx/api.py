@@ -195,18 +195,19 @@ class Session:
         return fitted, len(fitted) < len(ids)
 
     def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
-                   context: Sequence[int] = (), truncate: bool = False) -> Iterator[tuple[str, list[int]]]:
+                   context: Sequence[int] = (), truncate: bool = False, stop=None) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, tokens) per step; the text pieces join into the full output.
         `context`: token ids beside the prompt the drafter may draft from, one list or several
         (engine.start_request).
-        truncate: a prompt too long for the context loses its oldest tokens (default: an error)."""
+        truncate: a prompt too long for the context loses its oldest tokens (default: an error).
+        stop: asked between prefill chunks; True ends the prefill there (engine.Interrupted)."""
         if truncate:
             prompt_ids = self.fit(prompt_ids, max_tokens)[0]
         detok = self.tokenizer.detokenizer
         detok.reset()
         self.look_for_table()
         try:
-            for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context):
+            for tokens in self.engine.generate(prompt_ids, max_tokens, sampling, context, stop=stop):
                 for t in tokens:
                     detok.add_token(t)
                 yield detok.last_segment, tokens

@@ -34,7 +34,7 @@ from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .slots import SLOT_BYTES, Slots
 from .tree import DraftTree, common_prefix
-from .verify import PREFILL_CHUNK, padded_size, prefill, verify_pass
+from .verify import PREFILL_CHUNK, cpu_prefill_chunk, padded_size, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LEAD_TAIL = 48  # at most this many uncached prompt tokens go through the first pass (Engine._start)
@@ -182,9 +182,16 @@ def model_vocab_size(model) -> int:
     return int(sizes[0])
 
 
+class Interrupted(Exception):
+    """A prefill stopped between chunks because its caller asked (engine.generate's `stop`)."""
+
+
 class Engine:
     """A model with its KV cache and a drafter. Keeps the cache across calls, so a prompt that
     extends the last one (the next chat turn) only prefills its new tokens."""
+
+    prefill_chunk: int | None = None  # tokens a prefill pass takes at most (None: per backend);
+    # a stop is heard between chunks
 
     def __init__(self, model, eos_ids: Sequence[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
@@ -255,19 +262,24 @@ class Engine:
         self.cached, self.history, self.lead, self.learned = [], [], [], set()
         self.drafter.reset()
 
-    def _start(self, prompt: list[int], context=(), tail: int = 1, slot: int | None = None) -> None:
+    def _start(self, prompt: list[int], context=(), tail: int = 1, slot: int | None = None, stop=None) -> None:
         """Prefill what the cache lacks of the prompt but its last `tail` tokens (at least one),
         which lead the first pass (prompt[-1] is its root): a short uncached tail, a new chat
         turn or the text typed since an editor's last request, then shares a pass with the first
         drafts instead of taking a prefill pass of its own.
         `context`: text beside the prompt for the drafter to learn (start_request).
-        `slot`: the slot to run in (None or -1: the one that reuses most, slots.Slots.choose)."""
+        `slot`: the slot to run in (None or -1: the one that reuses most, slots.Slots.choose).
+        `stop`: asked between prefill chunks; True stops the prefill there (Interrupted), the
+        chunks done kept in the slot's cache, so the same prompt later goes on from them."""
         t0 = time.perf_counter()
         self.slots.switch(self, self.slots.choose(prompt, self.cached, slot))
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.cached, prompt[:-1]))
         split = len(prompt) - max(1, min(tail, len(prompt) - keep))
-        self._prefill(prompt[keep:split])
+        done = self._prefill(prompt[keep:split], stop)
+        if keep + done < split:
+            self.cached, self.lead = prompt[: keep + done], []
+            raise Interrupted(f"prefill stopped after {keep + done} of {split} tokens")
         self.cached = prompt[:split]
         self.lead = prompt[split:]
         self.stats.prefill_tokens = len(prompt) - 1 - keep
@@ -284,13 +296,20 @@ class Engine:
             self.peers.trim(length, kept)
         return kept
 
-    def _prefill(self, tokens: list[int]) -> None:
+    def _prefill(self, tokens: list[int], stop=None) -> int:
+        chunk = self.prefill_chunk or (PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk)
         if self.peers is None:  # each chunk's time is a point of the pass cost's prior (costs.PriorCost)
-            return prefill(self.model, self.cache, tokens, timed=self.sizer.prefilled if self.sizer else None)
-        for i in range(0, len(tokens), PREFILL_CHUNK):  # one announced pass per chunk
-            part = tokens[i : i + PREFILL_CHUNK]
+            return prefill(self.model, self.cache, tokens, chunk,
+                           timed=self.sizer.prefilled if self.sizer else None, stop=stop)
+        i = 0
+        while i < len(tokens):  # one announced pass per chunk
+            if i and stop is not None and stop():
+                return i
+            part = tokens[i : i + (chunk(self.cache.length) if callable(chunk) else chunk)]
+            i += len(part)
             with self.peers.prefill(part):
                 prefill(self.model, self.cache, part)
+        return len(tokens)
 
     def _verify(self, lead: list[int], tree: DraftTree, size: int) -> mx.array:
         """One pass over lead + tree, padded to `size` rows."""
@@ -327,22 +346,29 @@ class Engine:
                                  f"{self.context_length} tokens")
         return prompt
 
-    def prefill_only(self, prompt: Sequence[int], context=(), slot: int | None = None) -> None:
+    def prefill_only(self, prompt: Sequence[int], context=(), slot: int | None = None, stop=None) -> None:
         """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
-        the next request that starts with this prompt only prefills what follows it."""
-        prompt = self.check(prompt, 0)
+        the next request that starts with this prompt only prefills what follows it. An empty
+        prompt prefills nothing: the drafter only learns the context (a warm-up of an editor's
+        chunks that the prompt layout leaves out). `stop`: see _start."""
         self.stats = Stats(prompt_tokens=len(prompt))
+        if not prompt:
+            self.history = start_request(self.drafter, self.history, self.history, context, self.learned)
+            return
+        prompt = self.check(prompt, 0)
         with cores.share.busy():
-            self._start(prompt, context, slot=slot)
+            self._start(prompt, context, slot=slot, stop=stop)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 context=(), slot: int | None = None, forced: Sequence[int] | None = None) -> Iterator[list[int]]:
+                 context=(), slot: int | None = None, forced: Sequence[int] | None = None,
+                 stop=None) -> Iterator[list[int]]:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
         editor's chunks and the code below the cursor; start_request). `slot`: see _start.
         `forced`: a recorded stream to accept along instead of the model's own picks (at most
         its length is generated): every pass still runs on this model with its real rows and
-        cache, only the accept step reads the recording (forced_picks; `bench --forced`)."""
+        cache, only the accept step reads the recording (forced_picks; `bench --forced`).
+        `stop`: asked between prefill chunks (see _start)."""
         prompt = self.check(prompt, max_tokens)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0 (use prefill_only to only prefill)")
@@ -360,7 +386,7 @@ class Engine:
         # recurrent model undoes a pass not accepted whole, so its tail is prefilled as before
         tail = LEAD_TAIL if self.sizer is not None and not self.cache.recurrent else 1
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
-            self._start(prompt, context, tail, slot)
+            self._start(prompt, context, tail, slot, stop)
             t_start = time.perf_counter()
             try:
                 while stats.tokens < max_tokens:

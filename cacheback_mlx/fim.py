@@ -140,7 +140,9 @@ class InfillBuilder:
         while len(ids) > room and start < len(lines):  # per-line counts can miss the joint count a little
             start += 1
             ids = encode(start)
-        if len(ids) > room or not ids:
+        if not ids and n_predict:
+            raise CachebackError("nothing to complete: input_prefix, input_suffix and prompt are empty")
+        if len(ids) > room:
             raise CachebackError(f"infill prompt does not fit the context of {self.context_length} tokens")
         anchor = lines[start:start + ANCHOR_LINES]
         if anchor:

@@ -307,15 +307,15 @@ def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
 
 
 def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
-    """A 700-token prompt: the prefill takes a 512-row chunk (the CPU attention in blocks of 16
-    rows) and a 187-row one, then the steps attend over more than MIN_KEYS_ONE_ROW cached keys,
+    """A 700-token prompt: the prefill takes chunks of several rows (the CPU attention in blocks
+    of 16 rows), then the steps attend over more than MIN_KEYS_ONE_ROW cached keys,
     where even one-row steps use attention.py. Token for token mlx-lm's own greedy decoding."""
     from cacheback_mlx import attention
-    from cacheback_mlx.verify import PREFILL_CHUNK
+    from cacheback_mlx.verify import cpu_prefill_chunk
 
     name, model = family
     prompt = [(13 * i + 5) % 97 + 1 for i in range(700)]
-    assert len(prompt) > PREFILL_CHUNK and len(prompt) > attention.MIN_KEYS_ONE_ROW + 100
+    assert len(prompt) > cpu_prefill_chunk(0) and len(prompt) > attention.MIN_KEYS_ONE_ROW + 100
     truth = reference(model, prompt, 16)
     for label, d in {"none": NoDrafter(), "random": RandomTreeDrafter(prompt, truth, seed=5),
                      "oracle": OracleDrafter(prompt, truth)}.items():

@@ -454,7 +454,7 @@ class _TimedPieces:
         self.pieces, self.stats = pieces, Stats(prompt_tokens=3)
         self.engine = SimpleNamespace(slots=SimpleNamespace(active=0))
 
-    def stream_ids(self, ids, max_tokens, params, context):
+    def stream_ids(self, ids, max_tokens, params, context, stop=None):
         for piece in self.pieces:
             self.stats.decode_s += 0.1
             self.stats.tokens += 1

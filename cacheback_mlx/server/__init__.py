@@ -48,6 +48,7 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
         await ctx.gen.close()
 
     app = FastAPI(title="cacheback-mlx", version="0.1.0", lifespan=lifespan)
+    app.state.generator = ctx.gen
     app.add_middleware(BodyGuard, max_body=max_body, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
@@ -66,6 +67,19 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
 
 
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8012, **options):
+    """Run the server until SIGINT or SIGTERM: either ends every job at its next step (a prefill
+    within one chunk) and the server within a few seconds."""
     import uvicorn
 
-    uvicorn.run(create_app(session, measure_idle=True, **options), host=host, port=port, log_level="warning")
+    app = create_app(session, measure_idle=True, **options)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.generator.stopping.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # SIGINT, raised again once the server has stopped (as uvicorn.run)
+        pass

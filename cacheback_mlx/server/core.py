@@ -1,9 +1,11 @@
 """What every protocol shares: request fields, errors, the body guard, and generation jobs.
 
 One Session serves every request, so the KV prefix and the drafter's tables carry over from request
-to request. One generation runs on the model at a time: the others wait for `turn`, an asyncio lock
-held for the whole job, so a waiting request never blocks the model's worker thread. A client that
-goes away (streaming or not) stops its generation at the next step. Everything a request can get
+to request. One generation runs on the model at a time: the others wait for `turn`, an asyncio lock,
+so a waiting request never blocks the model's worker thread. A client that goes away (streaming or
+not), or a server told to stop (SIGINT, SIGTERM), ends its generation at the next step and its
+prefill at the next chunk; a long prefill also lets waiting requests go first between its chunks
+and then goes on from the chunks done (Generator.pieces). Everything a request can get
 wrong is checked before a response starts, so errors are 4xx with a JSON body, never a 200
 followed by an error event (only a failure of the model itself could still end a stream that way).
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -24,6 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..api import Session
+from ..engine import Interrupted
 from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
 from ..sampling import SamplingParams
@@ -65,12 +70,12 @@ class Sampling(Lenient):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None  # negative: random, as llama.cpp's -1
+    seed: int | None = Field(None, lt=1 << 64)  # negative: random, as llama.cpp's -1
     stop: str | list[str] | None = None
     stream: bool = False
 
     def params(self, offset: int = 0) -> SamplingParams:
-        seed = None if self.seed is None or self.seed < 0 else self.seed + offset
+        seed = None if self.seed is None or self.seed < 0 else (self.seed + offset) % (1 << 64)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=seed)
 
@@ -155,6 +160,8 @@ class Generator:
     arrays and streams belong to the thread that made them)."""
 
     IDLE_S = 2.0  # quiet this long before the model's pass costs are measured (measure_when_idle)
+    POLL_S = 0.2  # while the worker runs a step, how often to look whether the client went away
+    MAX_YIELDS = 32  # times one job's prefill lets waiting requests go first
 
     def __init__(self, session: Session, keep_drafter: bool = True):
         self.session = session
@@ -162,6 +169,8 @@ class Generator:
         self.turn = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.last_request = time.monotonic()
+        self.waiting = 0  # requests waiting for `turn`
+        self.stopping = threading.Event()  # the server is shutting down: every job ends at its next step
 
     async def measure_when_idle(self) -> None:
         """Measure the model's pass costs in the server's idle time (api.Session.measure_step):
@@ -188,27 +197,31 @@ class Generator:
 
     def check(self, job: Job) -> None:
         """Refuse what the engine would refuse, before any response starts. A prompt longer than
-        the context loses its oldest tokens first, as llama.cpp does (`truncated: true`)."""
+        the context loses its oldest tokens first, as llama.cpp does (`truncated: true`). A
+        warm-up with nothing to prefill is fine (the drafter learns its context)."""
+        if job.max_tokens == 0 and not job.ids:
+            return
         ids, cut = self.session.fit(job.ids, job.max_tokens or 1)
         if cut:
             job.ids, job.truncated = ids, True
         self.session.engine.check(job.ids, job.max_tokens)
 
-    def steps(self, job: Job, offset: int = 0) -> Iterator[str]:
+    def steps(self, job: Job, offset: int = 0, stop=None) -> Iterator[str]:
         """Text pieces as they become final (stop strings and rules applied), one per engine step
-        ("" when a step's text is held back); call holding `turn`."""
+        ("" when a step's text is held back); call holding `turn`. `stop`: asked between prefill
+        chunks (engine.Interrupted)."""
         if not self.keep_drafter:
             self.session.fresh_drafter()
         engine = self.session.engine
         if job.max_tokens == 0:
-            engine.prefill_only(job.ids, job.context)
+            engine.prefill_only(job.ids, job.context, stop=stop)
             job.stop_type, job.timings, job.slot = "limit", self.timings(job, prefill_only=True), engine.slots.active
             return
         stops = job.sampling.stops()
         hold = max((len(s) - 1 for s in stops), default=0)
         text, sent = "", 0
         job.stop_type = "eos"
-        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context)
+        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context, stop=stop)
         try:
             raw = ""
             for piece, _ in pieces:
@@ -254,52 +267,85 @@ class Generator:
                 "predicted_per_token_ms": d_tok, "predicted_per_second": d_sec, "draft_n": s.drafted,
                 "draft_n_accepted": max(s.accepted - s.passes, 0), "passes": s.passes, "mat": round(s.mat, 3)}
 
+    async def _queue(self) -> None:
+        """Wait for the model, counted in `waiting` (which a running prefill yields to)."""
+        self.waiting += 1
+        self.last_request = time.monotonic()
+        try:
+            await self.turn.acquire()
+        finally:
+            self.waiting -= 1
+
+    async def _next(self, request: Request, it: Iterator[str], gone: threading.Event) -> str | None:
+        """The next piece of `it`, run on the worker; while it runs, a client that goes away sets
+        `gone`, which a prefill checks between its chunks."""
+        step = asyncio.ensure_future(self.call(next, it, None))
+        while not step.done():
+            await asyncio.wait({step}, timeout=self.POLL_S)
+            if not step.done() and not gone.is_set() and await request.is_disconnected():
+                gone.set()
+        return step.result()
+
+    async def pieces(self, request: Request, job: Job, offset: int = 0) -> AsyncIterator[str]:
+        """The job's text pieces (steps), run holding `turn`; it ends early when the client goes
+        away or the server stops, a prefill within one chunk. A long prefill also stops between
+        chunks while another request waits: this job then queues again behind it and goes on
+        from the chunks done, kept in its slot (with one slot the next request would take them,
+        so it does not yield there; at most MAX_YIELDS times a job)."""
+        gone = threading.Event()
+        yields = 0
+        while True:
+            await self._queue()
+            try:
+                if gone.is_set() or self.stopping.is_set() or await request.is_disconnected():
+                    return  # gave up while waiting its turn (an editor's keystroke)
+                polite = self.session.engine.slots.n > 1 and yields < self.MAX_YIELDS
+                it = self.steps(job, offset, lambda: gone.is_set() or self.stopping.is_set() or (polite and self.waiting > 0))
+                try:
+                    while (piece := await self._next(request, it, gone)) is not None:
+                        yield piece
+                        if self.stopping.is_set() or await request.is_disconnected():
+                            return
+                    return
+                except Interrupted:
+                    if gone.is_set() or self.stopping.is_set():
+                        return
+                    yields += 1  # another request waits: it runs, then this one goes on
+                finally:
+                    with anyio.CancelScope(shield=True):  # a disconnect cancels us: still end the generation
+                        await self.call(it.close)
+            finally:
+                self.turn.release()
+
     async def complete(self, request: Request, job: Job, n: int = 1) -> list[Job]:
         """Run a job to its end (n times when sampling; greedy runs once and is repeated); stops
         early when the client goes away, freeing the model for the next request."""
         runs = [job] + [Job(**{**job.__dict__, "timings": {}}) for _ in range(n - 1)]
-        self.last_request = time.monotonic()
-        async with self.turn:
-            if await request.is_disconnected():  # gave up while waiting its turn (an editor's keystroke)
-                return []
-            for i, run in enumerate(runs):
-                if i and job.sampling.temperature == 0:
-                    run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings
-                    continue
-                it = self.steps(run, offset=i)
-                try:
-                    while await self.call(next, it, None) is not None:
-                        if await request.is_disconnected():
-                            return runs[:i]
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await self.call(it.close)
+        for i, run in enumerate(runs):
+            if i and job.sampling.temperature == 0:
+                run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings
+                continue
+            async with aclosing(self.pieces(request, run, offset=i)) as pieces:
+                async for _ in pieces:
+                    pass
+            if not run.timings:  # ended early: the client went away or the server is stopping
+                return runs[:i]
         return runs
 
     async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict],
                      done_marker: bool) -> AsyncIterator[str]:
         """Server-sent events: one per piece, the last with done=True; ends on disconnect."""
-        self.last_request = time.monotonic()
-        async with self.turn:
-            if await request.is_disconnected():
-                return
-            it = self.steps(job)
-            try:
-                while True:
-                    piece = await self.call(next, it, None)
-                    if piece is None or await request.is_disconnected():
-                        break
+        try:
+            async with aclosing(self.pieces(request, job)) as pieces:
+                async for piece in pieces:
                     if piece:
                         yield f"data: {json.dumps(event(piece, False))}\n\n"
-                if not await request.is_disconnected():
-                    yield f"data: {json.dumps(event('', True))}\n\n"
-            except CachebackError as e:
-                yield f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
-            except Exception as e:  # the response has started: report in the stream, then end it
-                yield f"data: {json.dumps({'error': {'code': 500, 'message': str(e), 'type': 'server_error'}})}\n\n"
-            finally:
-                with anyio.CancelScope(shield=True):  # a disconnect cancels us: still end the generation
-                    await self.call(it.close)
+            if job.timings and not await request.is_disconnected():
+                yield f"data: {json.dumps(event('', True))}\n\n"
+        except CachebackError as e:
+            yield f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+        except Exception as e:  # the response has started: report in the stream, then end it
+            yield f"data: {json.dumps({'error': {'code': 500, 'message': str(e), 'type': 'server_error'}})}\n\n"
         if done_marker:
             yield "data: [DONE]\n\n"
 

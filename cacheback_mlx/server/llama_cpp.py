@@ -93,7 +93,8 @@ def router(ctx: Context) -> APIRouter:
 
     @api.get("/health")
     def health():
-        return {"status": "ok", "model": ctx.model_id, "drafter": session.drafter_name}
+        return {"status": "ok", "model": ctx.model_id, "drafter": session.drafter_name,
+                "requests_waiting": gen.waiting, "busy": gen.turn.locked()}
 
     @api.get("/props")
     def props():
