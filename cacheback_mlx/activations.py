@@ -72,7 +72,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         except Exception as e:  # noqa: BLE001 - MLX's CPU compiler needs a C++ compiler
             if _compiled is None:
                 raise
-            print(f"cacheback-mlx: no compiled SwiGLU kernel ({type(e).__name__}: {e}); using plain ops", file=sys.stderr)
+            print(f"cacheback-mlx: no compiled SwiGLU kernel ({type(e).__name__}: {e}); using plain ops",
+                  file=sys.stderr)
             _compiled = None
             return cpu_swiglu(gate, x)
     return stock(gate, x)

@@ -3,11 +3,10 @@ stream_generate() are one-call forms on top of it. The CLI, chat REPL, server an
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, Sequence
 
 from mlx.utils import tree_flatten
-
-import time
 
 from . import cores
 from .budget import Sizer

@@ -108,7 +108,8 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, m
     scores = ((queries * scale).reshape(B, Hk, r * T, -1) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, T, S)
     if mask is not None:
         if mask.ndim == 4:  # [B, 1 or H, T, S] -> [B, 1 or Hk, 1 or r, T, S]
-            mask = mask.reshape(mask.shape[0], 1, 1, T, S) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], Hk, r, T, S)
+            mask = (mask.reshape(mask.shape[0], 1, 1, T, S) if mask.shape[1] == 1
+                    else mask.reshape(mask.shape[0], Hk, r, T, S))
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
     e = _fused_exp(scores, scores.max(-1, keepdims=True))
     out = (e.reshape(B, Hk, r * T, S) @ values) / e.sum(-1).reshape(B, Hk, r * T, 1)

@@ -127,9 +127,8 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
     row = row if isinstance(row, Row) else Row(row, session.engine.sizer, session.engine.draft_budget)
     drafter = row.drafter
     eng = session.engine
-    eng.drafter = drafter
     eng.set_sizer(row.sizer, row.budget)
-    eng.reset()
+    eng.reset(drafter)
     run = Run(prompt.id, prompt.column, label or drafter.name)
     messages: list[dict] = []
     for turn in prompt.turns:
@@ -196,7 +195,8 @@ def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
     out = []
     for r in runs:
         if r.drafter != reference and r.prompt in ref and r.tokens != ref[r.prompt]:
-            n = next((i for i, (a, b) in enumerate(zip(r.tokens, ref[r.prompt])) if a != b), min(len(r.tokens), len(ref[r.prompt])))
+            n = next((i for i, (a, b) in enumerate(zip(r.tokens, ref[r.prompt])) if a != b),
+                     min(len(r.tokens), len(ref[r.prompt])))
             out.append(f"{r.drafter} differs from {reference} on {r.prompt} at token {n}")
     return out
 
@@ -255,7 +255,8 @@ def plot(summary: dict, path: str | Path) -> None:
     width = 0.8 / max(len(drafters), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cols)), 4))
     for i, d in enumerate(drafters):
-        ax.bar(np.arange(len(cols)) + i * width, [summary[c].get(d, {}).get("speedup_vs_none", 0) for c in cols], width, label=d)
+        ax.bar(np.arange(len(cols)) + i * width, [summary[c].get(d, {}).get("speedup_vs_none", 0) for c in cols], width,
+               label=d)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(np.arange(len(cols)) + width * (len(drafters) - 1) / 2, cols, rotation=20, ha="right")
     ax.set_ylabel("speedup vs plain decoding")

@@ -33,6 +33,7 @@ from .costs import CostTable, PriorCost
 from .tree import DraftTree
 from .verify import padded_size
 
+
 def expected_tokens(scores: np.ndarray) -> np.ndarray:
     """[n + 1]: the tokens a pass yields on average with the first n nodes sent, its own included."""
     return 1.0 + np.concatenate([[0.0], np.cumsum(np.clip(scores, 0.0, 1.0))])

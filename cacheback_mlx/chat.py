@@ -79,7 +79,8 @@ def load_conversation(path: str | Path) -> dict:
         raise CachebackError(f"cannot read conversation {path}: {e}") from None
     msgs = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(msgs, list) or not all(
-            isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)
+            isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+            and isinstance(m.get("content"), str)
             for m in msgs):
         raise CachebackError(f"{path} is not a saved conversation")
     return data
@@ -107,8 +108,9 @@ def handle_command(line: str, session, state: ChatState) -> str | None:
             return "no reply yet"
         return (f"{s['tokens']} tokens in {s['passes']} passes, {s['tokens_per_s']:.1f} tok/s, "
                 f"MAT {s['mat']:.2f} (speedup over plain decoding is at most ~MAT: each pass also costs a "
-                f"little more than a one-token step), drafting {1e3 * s['draft_s']:.1f} ms ({s['draft_us_per_pass']:.0f} us/pass), "
-                f"prefill {s['prefill_tokens']} new / {max(s['prompt_tokens'] - 1 - s['prefill_tokens'], 0)} reused tokens")
+                f"little more than a one-token step), drafting {1e3 * s['draft_s']:.1f} ms "
+                f"({s['draft_us_per_pass']:.0f} us/pass), prefill {s['prefill_tokens']} new / "
+                f"{max(s['prompt_tokens'] - 1 - s['prefill_tokens'], 0)} reused tokens")
     if cmd == "reset":
         state.reset()
         session.reset()
@@ -204,7 +206,8 @@ def run_chat(session, system: str | None, max_tokens: int, sampling: SamplingPar
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    write(f"cacheback-mlx chat: {session.loaded.name} ({session.loaded.dtype}), drafter {session.drafter_name}. /help for commands.\n")
+    write(f"cacheback-mlx chat: {session.loaded.name} ({session.loaded.dtype}), drafter {session.drafter_name}. "
+          "/help for commands.\n")
     while True:
         try:
             line = read_input(prompt_session, interactive)

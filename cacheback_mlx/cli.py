@@ -264,12 +264,14 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--per-category", default=2, show_default=True, help="Prompts per category.")
 @click.option("--humaneval-prompts", type=int, default=None, help="HumanEval prompts (default: --per-category).")
 @click.option("--max-tokens", "-n", default=128, show_default=True)
-@click.option("--drafters", default="none,auto,cacheback,ngram", show_default=True, help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
+@click.option("--drafters", default="none,auto,cacheback,ngram", show_default=True,
+              help="Drafters (comma list; none is always run). A variant adds parameters after colons and is "
                    "reported under that label: cacheback:frozen=false,cacheback:ll=2:fl=1.")
 @click.option("--drafter-arg", "drafter_args", multiple=True, metavar="NAME.KEY=VALUE",
               help="A drafter parameter, e.g. --drafter-arg cacheback.tdl=32 (repeatable).")
 @click.option("--draft-budget", type=int, default=None, help="Draft tokens per pass (default: per backend).")
-@click.option("--warmup", default=1, show_default=True, help="Warm-up questions (outside the prompt sets, not counted), at most 2.")
+@click.option("--warmup", default=1, show_default=True,
+              help="Warm-up questions (outside the prompt sets, not counted), at most 2.")
 @click.option("--seed", type=int, default=None, help="Sample the prompts of each category at random with this seed "
               "(default: the first ones).")
 @click.option("--no-mlx-lm", is_flag=True, help="Skip the plain mlx-lm baseline.")
@@ -285,7 +287,8 @@ def build_datastore(corpus, out, model, dtype):
               help="Run the prompts recorded in this folder (bench --record), every drafter accepting along the "
                    "recorded streams: the speed of this model at the recorded model's acceptance (projected).")
 @user_errors
-def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args, draft_budget,
+def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args,
+          draft_budget,
           warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir, forced_dir):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
@@ -297,7 +300,6 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     from . import bench as B
     from . import recording as R
     from .api import Session
-
     from .budget import Sizer
     from .costs import cpu_name
 
@@ -330,7 +332,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     sets = [s for s in prompts.split(",") if s]
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_name()}",
             "device": str(mx.default_device()), "model": session.loaded.name, "dtype": session.loaded.dtype,
-            "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category, "humaneval_prompts": humaneval_prompts,
+            "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category,
+            "humaneval_prompts": humaneval_prompts,
             "prompts": sets, "categories": categories, "seed": seed}
     if recording is None:
         plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
@@ -362,7 +365,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
                                  budget if fixed else draft_budget)
     if recording is not None:
-        meta.update({k: recording.get(k) for k in ("max_tokens", "per_category", "humaneval_prompts", "categories", "seed")},
+        meta.update({k: recording.get(k)
+                     for k in ("max_tokens", "per_category", "humaneval_prompts", "categories", "seed")},
                     prompts=recording.get("prompt_sets"))
         records = recording["prompts"]
         if click.get_current_context().get_parameter_source("max_tokens") == click.core.ParameterSource.COMMANDLINE:
@@ -379,10 +383,12 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         B.save_json(runs, summary, json_out, meta)
     if plot_out:
         B.plot(summary, plot_out)
-    bad = B.mismatches([r for r in runs if recording is None or r.drafter != B.MLX_LM])  # forced: mlx-lm goes its own way
+    bad = B.mismatches([r for r in runs if recording is None or r.drafter != B.MLX_LM])  # forced: mlx-lm goes
+    # its own way
     mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm and recording is None else []
     if mlx_diff:
-        click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)", err=True)
+        click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)",
+                   err=True)
     if bad:
         for m in bad:
             click.echo(f"LOSSLESS CHECK FAILED: {m}", err=True)
@@ -392,7 +398,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
 @main.command()
 @click.option("--model", "model_spec", default=None, help="Also load this model and say what the engine makes of it.")
 @click.option("--drafter", default=None, help="Also try this drafter on the model (16 tokens) and show its stats.")
-@click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE", help="A drafter parameter (repeatable).")
+@click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE",
+              help="A drafter parameter (repeatable).")
 @user_errors
 def doctor(model_spec, drafter, drafter_args):
     """Show the backend, BLAS status and default settings; with --model, the model's family, its
@@ -406,7 +413,8 @@ def doctor(model_spec, drafter, drafter_args):
     click.echo(f"mlx {mx.__version__}, device {mx.default_device()}")
     click.echo(f"openblas: {blas.status}")
     if blas.weight_layout_wanted():
-        click.echo(f"weights: float32 ones stored [in, out], the layout OpenBLAS multiplies fastest ({blas.LAYOUT_ENV}=0: as loaded)")
+        click.echo("weights: float32 ones stored [in, out], the layout OpenBLAS multiplies fastest "
+                   f"({blas.LAYOUT_ENV}=0: as loaded)")
     click.echo(f"malloc: {malloc.status}")
     malloc.raise_mlx_cache_limit()  # as the loader does
     click.echo(f"MLX buffer cache: {malloc.mlx_cache}")
@@ -417,7 +425,8 @@ def doctor(model_spec, drafter, drafter_args):
                                       ("SwiGLU (CACHEBACK_MLX_FAST_SILU)", activations.enabled)) if used]
         click.echo(f"engine's CPU kernels: {', '.join(on) or 'none: MLX its own'}")
     if mx.default_device().type == mx.DeviceType.gpu:
-        click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} (MLX_ENABLE_TF32; CUDA float32 matmuls)")
+        click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} "
+                   "(MLX_ENABLE_TF32; CUDA float32 matmuls)")
     from . import cores
 
     click.echo(cores.share.describe())
@@ -426,9 +435,8 @@ def doctor(model_spec, drafter, drafter_args):
     if model_spec is not None:
         from .drafters.base import NoDrafter
         from .engine import Engine
-        from .loader import load
-
         from .footprint import model_bytes_per_step, model_shape, param_bytes
+        from .loader import load
 
         loaded = load(model_spec)
         info = Engine(loaded.model, [], NoDrafter(), loaded.context_length).describe()
@@ -446,7 +454,8 @@ def doctor(model_spec, drafter, drafter_args):
         def size(n, unit=" GB", small=" MB"):
             return f"{n / 1e9:.2f}{unit}" if n >= 1e9 else f"{n / 1e6:.1f}{small}"
 
-        click.echo(f"shape: hidden {shape['hidden']}, layers {layers}, heads {shape['heads']}, kv heads {shape['kv heads']}"
+        click.echo(f"shape: hidden {shape['hidden']}, layers {layers}, heads {shape['heads']}, "
+                   f"kv heads {shape['kv heads']}"
                    f"{experts}, vocab {shape['vocab']}, {size(shape['params'], 'B', 'M')} params")
         click.echo(f"weights: {size(param_bytes(loaded.model))} in memory, {quant}; "
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
@@ -464,7 +473,8 @@ def doctor(model_spec, drafter, drafter_args):
     if drafter is not None:
         from .api import Session
 
-        session = Session(loaded if model_spec is not None else None, drafter, fixed_budget=True, **parse_drafter_args(drafter_args))
+        session = Session(loaded if model_spec is not None else None, drafter, fixed_budget=True,
+                          **parse_drafter_args(drafter_args))
         list(session.stream_ids(session.encode("Hello", chat=False), 16))
         s = session.stats
         click.echo(f"drafter {drafter}: 16 tokens in {s.passes} passes, MAT {s.mat:.2f}; "

@@ -128,7 +128,8 @@ class CoreShare:
         if self.threads is None:
             return "BLAS threads: not set here (no OpenBLAS loaded)"
         self.adjust(force=True)
-        whom = f"{self.others} other cacheback-mlx process(es) busy" if self.others else "no other cacheback-mlx process busy"
+        whom = (f"{self.others} other cacheback-mlx process(es) busy" if self.others
+                else "no other cacheback-mlx process busy")
         return (f"BLAS threads: {self.threads} of {self.cores} cores ({whom}; a busy process runs "
                 f"cores / busy processes, at most {self.limit})")
 

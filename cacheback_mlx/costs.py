@@ -114,7 +114,8 @@ class PriorCost:
 
     def __init__(self, att: float, ratio: float | None = None, t1: float = 1.0,
                  buckets: tuple[int, ...] | None = None, seen: int = 0):
-        ratio = self.RATIO["gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"] if ratio is None else ratio
+        ratio = (self.RATIO["gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"] if ratio is None
+                 else ratio)
         self.att, self.t1, self.t_row = float(att), float(t1), float(ratio) * float(t1)
         self.buckets = buckets
         self.seen = seen  # observations taken (those of earlier processes included)
@@ -195,7 +196,8 @@ def from_json(data: dict, buckets: tuple[int, ...] | None = None) -> CostTable |
         if not t1 > 0 or not float(data["t_row"]) >= 0:
             raise ValueError("a learned cost needs t1 > 0 and t_row >= 0")
         return PriorCost(float(data["att"]), float(data["t_row"]) / t1, t1, buckets, int(data.get("seen", 0)))
-    return CostTable({int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in data["seconds"].items()}, buckets)
+    return CostTable({int(c): {int(r): float(t) for r, t in rows.items()} for c, rows in data["seconds"].items()},
+                     buckets)
 
 
 class Measurement:

@@ -115,7 +115,8 @@ def watch(what: str, seconds: float | None = None):
         _watchdog = Watchdog()
     if seconds is None:
         seconds = float(os.environ.get("CACHEBACK_MLX_DIST_TIMEOUT", 60))
-        why = f"{what} did not finish in {seconds:.0f} s: a rank is gone or stuck (CACHEBACK_MLX_DIST_TIMEOUT sets the limit)"
+        why = (f"{what} did not finish in {seconds:.0f} s: a rank is gone or stuck "
+               "(CACHEBACK_MLX_DIST_TIMEOUT sets the limit)")
     else:
         why = f"{what} for {seconds:.0f} s: it is gone or stuck"
     return _watchdog.armed(why, seconds)
@@ -294,7 +295,8 @@ def model_folder(spec: str | None) -> Path:
     try:
         return _download(spec, allow_patterns=["*.json", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken"])
     except Exception as e:
-        raise CachebackError(f"cannot fetch {spec!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise CachebackError(f"cannot fetch {spec!r}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def check_shardable(model, mode: str, size: int, name: str) -> None:
@@ -363,7 +365,8 @@ def start(spec: str | None, mode: str, dtype: str | None = None, drafter: str = 
         lazy, config = load_model(path, lazy=True, strict=False)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
-        raise CachebackError(f"cannot load model {spec}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise CachebackError(f"cannot load model {spec}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     params = sum(v.size for _, v in tree_flatten(lazy.parameters()))
     config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
     with watch("comparing the ranks' models"):

@@ -12,14 +12,15 @@ engine cannot place in a tree (positions.py). A recurrent state cannot be cut ba
 recurrent layer captures each row's state during a pass (recurrent.py), finish_pass keeps the
 accepted prefix like any other pass; elsewhere (and on passes too long to capture) a pass is kept
 only when accepted whole; otherwise it is undone and its accepted tokens lead the next pass
-(`self.lead`, `stats.undone`), whose draft budget shrinks by as many rows.
+(`self.seq.lead`, `stats.undone`), whose draft budget shrinks by as many rows.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,14 +31,14 @@ from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
 from .kvcache import ModelCache
+from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
-from .slots import SLOT_BYTES, Slots
+from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix
-from .verify import PREFILL_CHUNK, cpu_prefill_chunk, padded_size, prefill, verify_pass
+from .verify import PREFILL_CHUNK, cpu_prefill_chunk, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-LEAD_TAIL = 48  # at most this many uncached prompt tokens go through the first pass (Engine._start)
 LEARNED_MAX = 256  # context segments remembered as learned (start_request)
 REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
 
@@ -114,7 +115,7 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
         want = picks[nxt + 1]
 
 
-def forced_picks(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+def forced_picks(tree: DraftTree, continuation: Seq[int]) -> list[int]:
     """The picks a model would make if its greedy stream were `continuation` (a recorded one):
     row 0 (the root) picks continuation[0]; a node whose root path follows the continuation picks
     the token after it; any other node picks -1 (no token), so `accept` follows the recording.
@@ -142,7 +143,7 @@ def segments(context) -> list[list[int]]:
     return [[int(t) for t in seg] for seg in context if len(seg)]
 
 
-def start_request(drafter: Drafter, history: Sequence[int], prompt: Sequence[int], context=(),
+def start_request(drafter: Drafter, history: Seq[int], prompt: Seq[int], context=(),
                   learned: set | None = None) -> list[int]:
     """What the drafter learns as a request starts (the engine's rule; tools/editor_mat.py replays
     it): `context`, text beside the prompt, one segment or several (an editor's other chunks, then
@@ -193,7 +194,7 @@ class Engine:
     prefill_chunk: int | None = None  # tokens a prefill pass takes at most (None: per backend);
     # a stop is heard between chunks
 
-    def __init__(self, model, eos_ids: Sequence[int], drafter: Drafter, context_length: int,
+    def __init__(self, model, eos_ids: Seq[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
                  sizer: Sizer | None = None, peers=None, slots: int = 1, slot_bytes: int = SLOT_BYTES):
         """sizer: chooses each pass's draft size from measured pass costs (budget.py), with
@@ -207,59 +208,79 @@ class Engine:
         self.eos_ids = set(int(t) for t in eos_ids)
         self.drafter = drafter
         self.context_length = context_length
-        self.cache = ModelCache(model)
-        self.set_sizer(sizer, draft_budget)
+        self.seq = Sequence(ModelCache(model))  # the sequence the engine runs (its slot's)
         unplaced = prepare_positions(model)
-        self.chain_reason = ("recurrent layers" if self.cache.recurrent else
+        self.chain_reason = ("recurrent layers" if self.seq.cache.recurrent else
                              f"position-dependent code: {unplaced[0]}" if unplaced else None)
         buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets
-        self.buckets = None if self.cache.recurrent else buckets  # padding would run the recurrence
+        self.buckets = None if self.seq.cache.recurrent else buckets  # padding would run the recurrence
+        self.set_sizer(sizer, draft_budget)
         self.max_branching = 1 if self.chain_reason else None  # what drafters are told
         self.vocab_size = model_vocab_size(model)
-        self.cached: list[int] = []  # tokens whose effect is in the caches
-        self.lead: list[int] = []  # accepted tokens not yet in the caches; lead[-1] is the root
-        self.history: list[int] = []  # the sequence the drafter has seen: prompts + outputs
-        self.learned: set = set()  # context segments the drafter has learned (start_request)
-        self.slots = Slots(1 if peers is not None else slots, slot_bytes)  # the fields above are the active slot's
+        self.slots = Slots(1 if peers is not None else slots, self.seq, slot_bytes)
         self.stats = Stats()
 
     def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
         """Choose each pass's draft size with `sizer` (None: a fixed budget), capped at draft_budget."""
-        self.sizer = sizer
-        if sizer is not None:
-            sizer.pad = not self.cache.recurrent  # padded rows would run the recurrence
-        default = MAX_DRAFT if sizer is not None else default_draft_budget()
-        self.draft_budget = default if draft_budget is None else draft_budget
+        if sizer is None:
+            budget = default_draft_budget() if draft_budget is None else draft_budget
+            self.set_planner(FixedPlanner(budget, self.buckets))
+        else:
+            budget = MAX_DRAFT if draft_budget is None else draft_budget
+            self.set_planner(CostPlanner(sizer, budget, self.buckets, recurrent=bool(self.seq.cache.recurrent)))
+
+    def set_planner(self, planner: FixedPlanner | CostPlanner) -> None:
+        """Size each pass with `planner` (planner.py) from now on."""
+        self.planner = planner
+
+    # the running sequence's state, for callers that read it (the loop reads and writes self.seq)
+    cache = property(lambda self: self.seq.cache, doc="The running sequence's caches.")
+    cached = property(lambda self: self.seq.cached, doc="Tokens whose effect is in the caches.")
+    history = property(lambda self: self.seq.history, doc="The sequence the drafter has seen.")
+
+    @property
+    def sizer(self) -> Sizer | None:
+        """The cost-based planner's sizer (None with a fixed budget)."""
+        return self.planner.sizer
+
+    @property
+    def draft_budget(self) -> int:
+        """The most draft tokens a pass may take."""
+        return self.planner.budget
 
     def describe(self) -> dict:
         """What this model gets: its layer caches by kind and the verify path (`doctor --model`)."""
         verify = f"chain drafts only ({self.chain_reason})" if self.chain_reason else "draft trees"
-        return {"family": self.cache.family, "caches": self.cache.describe(), "verify": verify,
+        return {"family": self.seq.cache.family, "caches": self.seq.cache.describe(), "verify": verify,
                 "shape buckets": list(self.buckets) if self.buckets else "off"}
 
     def set_drafter(self, drafter: Drafter) -> None:
         """Switch drafters; the new one learns the current sequence so it can draft at once."""
         if drafter is not self.drafter:
             self.drafter.close()
-        self.drafter, self.learned = drafter, set()
+        self.drafter, self.seq.learned = drafter, set()
         self.slots.clear(keep_caches=True)  # the new drafter saw none of the idle slots' sequences
-        drafter.observe(self.history)
+        drafter.observe(self.seq.history)
 
     def reset_drafter(self, drafter: Drafter | None = None) -> None:
         """A fresh drafter state (or `drafter`, a new one, in place of the current); the caches
         stay. The drafter relearns the next prompt whole."""
-        self.history, self.learned = [], set()
+        self.seq.history, self.seq.learned = [], set()
         self.slots.clear(keep_caches=True)
         if drafter is None:
             self.drafter.reset()
         else:
             self.set_drafter(drafter)
 
-    def reset(self) -> None:
-        """Forget the conversation: empty the cache and the drafter's state."""
+    def reset(self, drafter: Drafter | None = None) -> None:
+        """Forget the conversation: empty the cache and the drafter's state. `drafter`: run this
+        one from now on, from its reset state (the one it replaces stays open: bench rows take
+        turns with theirs)."""
+        if drafter is not None:
+            self.drafter = drafter
         self._trim(0)
         self.slots.clear()
-        self.cached, self.history, self.lead, self.learned = [], [], [], set()
+        self.seq.cached, self.seq.history, self.seq.lead, self.seq.learned = [], [], [], set()
         self.drafter.reset()
 
     def _start(self, prompt: list[int], context=(), tail: int = 1, slot: int | None = None, stop=None) -> None:
@@ -272,26 +293,26 @@ class Engine:
         `stop`: asked between prefill chunks; True stops the prefill there (Interrupted), the
         chunks done kept in the slot's cache, so the same prompt later goes on from them."""
         t0 = time.perf_counter()
-        self.slots.switch(self, self.slots.choose(prompt, self.cached, slot))
+        self.seq = self.slots.take(self.slots.choose(prompt, slot), self.model)
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
-        keep = self._trim(common_prefix(self.cached, prompt[:-1]))
+        keep = self._trim(common_prefix(self.seq.cached, prompt[:-1]))
         split = len(prompt) - max(1, min(tail, len(prompt) - keep))
         done = self._prefill(prompt[keep:split], stop)
         if keep + done < split:
-            self.cached, self.lead = prompt[: keep + done], []
+            self.seq.cached, self.seq.lead = prompt[: keep + done], []
             raise Interrupted(f"prefill stopped after {keep + done} of {split} tokens")
-        self.cached = prompt[:split]
-        self.lead = prompt[split:]
+        self.seq.cached = prompt[:split]
+        self.seq.lead = prompt[split:]
         self.stats.prefill_tokens = len(prompt) - 1 - keep
         self.stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.history = start_request(self.drafter, self.history, prompt, context, self.learned)
+        self.seq.history = start_request(self.drafter, self.seq.history, prompt, context, self.seq.learned)
         self.stats.draft_s += time.perf_counter() - t0
 
     # The cache operations. With peers (a model sharded over processes) each is announced to the
     # other ranks first, and a pass runs here while they run it on their shards.
     def _trim(self, length: int) -> int:
-        kept = self.cache.trim(length)
+        kept = self.seq.cache.trim(length)
         if self.peers is not None:
             self.peers.trim(length, kept)
         return kept
@@ -299,40 +320,39 @@ class Engine:
     def _prefill(self, tokens: list[int], stop=None) -> int:
         chunk = self.prefill_chunk or (PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk)
         if self.peers is None:  # each chunk's time is a point of the pass cost's prior (costs.PriorCost)
-            return prefill(self.model, self.cache, tokens, chunk,
-                           timed=self.sizer.prefilled if self.sizer else None, stop=stop)
+            return prefill(self.model, self.seq.cache, tokens, chunk, timed=self.planner.prefilled, stop=stop)
         i = 0
         while i < len(tokens):  # one announced pass per chunk
             if i and stop is not None and stop():
                 return i
-            part = tokens[i : i + (chunk(self.cache.length) if callable(chunk) else chunk)]
+            part = tokens[i : i + (chunk(self.seq.cache.length) if callable(chunk) else chunk)]
             i += len(part)
             with self.peers.prefill(part):
-                prefill(self.model, self.cache, part)
+                prefill(self.model, self.seq.cache, part)
         return len(tokens)
 
     def _verify(self, lead: list[int], tree: DraftTree, size: int) -> mx.array:
         """One pass over lead + tree, padded to `size` rows."""
         if self.peers is None:
-            return verify_pass(self.model, self.cache, lead, tree, rows=size)
+            return verify_pass(self.model, self.seq.cache, lead, tree, rows=size)
         with self.peers.verify(lead, tree, size):
-            logits = verify_pass(self.model, self.cache, lead, tree, rows=size)
+            logits = verify_pass(self.model, self.seq.cache, lead, tree, rows=size)
             mx.eval(logits)  # the pass's collectives run now, under the peers' watch
         return logits
 
     def _finish(self, rows: list[int], whole: bool) -> bool:
         if self.peers is not None:
             self.peers.finish(rows, whole)
-        return self.cache.finish_pass(rows, whole)
+        return self.seq.cache.finish_pass(rows, whole)
 
     def set_slots(self, n: int, max_bytes: int = SLOT_BYTES) -> None:
         """Keep up to n sequences' caches at once (slots.py); a sharded model keeps one."""
         if self.peers is not None or n == self.slots.n:
             return
         self.slots.clear()
-        self.slots = Slots(n, max_bytes)
+        self.slots = Slots(n, self.seq, max_bytes)
 
-    def check(self, prompt: Sequence[int], max_tokens: int = 1) -> list[int]:
+    def check(self, prompt: Seq[int], max_tokens: int = 1) -> list[int]:
         """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -346,21 +366,22 @@ class Engine:
                                  f"{self.context_length} tokens")
         return prompt
 
-    def prefill_only(self, prompt: Sequence[int], context=(), slot: int | None = None, stop=None) -> None:
+    def prefill_only(self, prompt: Seq[int], context=(), slot: int | None = None, stop=None) -> None:
         """Bring the caches up to the prompt and generate nothing (editors' warm-up requests), so
         the next request that starts with this prompt only prefills what follows it. An empty
         prompt prefills nothing: the drafter only learns the context (a warm-up of an editor's
         chunks that the prompt layout leaves out). `stop`: see _start."""
         self.stats = Stats(prompt_tokens=len(prompt))
         if not prompt:
-            self.history = start_request(self.drafter, self.history, self.history, context, self.learned)
+            seq = self.seq  # nothing to prefill: the drafter learns the context
+            seq.history = start_request(self.drafter, seq.history, seq.history, context, seq.learned)
             return
         prompt = self.check(prompt, 0)
         with cores.share.busy():
             self._start(prompt, context, slot=slot, stop=stop)
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 context=(), slot: int | None = None, forced: Sequence[int] | None = None,
+    def generate(self, prompt: Seq[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 context=(), slot: int | None = None, forced: Seq[int] | None = None,
                  stop=None) -> Iterator[list[int]]:
         """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
@@ -382,36 +403,27 @@ class Engine:
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
         pick = token_picker(sampling)
-        # per-step sizing prices the tail's rows (fixed budgets would lose drafts to them); a
-        # recurrent model undoes a pass not accepted whole, so its tail is prefilled as before
-        tail = LEAD_TAIL if self.sizer is not None and not self.cache.recurrent else 1
+        plan = self.planner
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
-            self._start(prompt, context, tail, slot, stop)
+            self._start(prompt, context, plan.lead_tail, slot, stop)
+            seq = self.seq  # the sequence this request runs in (its slot's)
             t_start = time.perf_counter()
             try:
                 while stats.tokens < max_tokens:
                     cores.share.adjust()  # another process may have started or ended
-                    # draft (a fixed budget's pass keeps its size: the lead's extra rows come out of
-                    # it; a sizer prices the lead's rows instead)
-                    lead = self.lead
-                    budget = min(self.draft_budget - (len(lead) - 1 if self.sizer is None else 0),
-                                 max_tokens - stats.tokens - 1,
-                                 self.context_length - len(self.cached) - len(lead) - 1)
-                    if self.sizer is not None:
-                        budget = min(budget, self.sizer.cap(budget, len(self.cached)))
+                    # draft: as many tokens as the planner asks for, within the tokens and context left
+                    lead = seq.lead
+                    budget = plan.draft_cap(len(lead), len(seq.cached),
+                                            min(max_tokens - stats.tokens - 1,
+                                                self.context_length - len(seq.cached) - len(lead) - 1))
                     t0 = time.perf_counter()
                     tree = DraftTree.empty()
                     if budget > 0:
-                        tree = self.drafter.propose(self.history, budget, max_branching=self.max_branching)
+                        tree = self.drafter.propose(seq.history, budget, max_branching=self.max_branching)
                         tree = tree.truncate(budget).keep_valid(self.vocab_size)
                         if self.chain_reason and not tree.is_chain():
                             tree = tree.first_path()
-                        if self.sizer is not None:  # as many nodes as pay for their rows
-                            tree = self.sizer.choose(tree, len(lead), len(self.cached))
-                    size = len(lead) + len(tree)  # rows, padded where more cost less (budget.Sizer.pass_rows)
-                    if self.sizer is not None:
-                        size = self.sizer.pass_rows(size, len(self.cached))
-                    size = padded_size(size, self.buckets)
+                    tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
                     # verify: lead + draft in one pass
                     t0 = time.perf_counter()
@@ -421,40 +433,37 @@ class Engine:
                         picks = forced_picks(tree, forced[stats.tokens :])
                     seconds = time.perf_counter() - t0
                     stats.verify_s += seconds
-                    if self.sizer is not None:  # what a pass of this size really costs here
-                        self.sizer.timed(size, len(self.cached), seconds)
                     # accept the longest path the model agrees with, plus its bonus token
                     path, bonus = accept(tree, picks)
                     accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
-                    if self.sizer is not None:
-                        self.sizer.update(tree, path, accepted)
+                    plan.record(size, len(seq.cached), seconds, tree, path, accepted)
                     # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                     rows = list(range(len(lead))) + [len(lead) + i for i in path]
                     whole = len(path) == len(tree) and size == len(rows)
                     if self._finish(rows, whole):
-                        self.cached.extend(lead + accepted[:-1])
-                        self.lead = [bonus]
+                        seq.cached.extend(lead + accepted[:-1])
+                        seq.lead = [bonus]
                     else:
-                        self.lead = lead + accepted
+                        seq.lead = lead + accepted
                         stats.undone += 1
                     stats.passes += 1
                     stats.drafted += len(tree)
                     # stop at EOS or the token limit
-                    stop = next((i for i, t in enumerate(accepted) if t in self.eos_ids), None)
-                    out = accepted[:stop][: max_tokens - stats.tokens]
+                    eos = next((i for i, t in enumerate(accepted) if t in self.eos_ids), None)
+                    out = accepted[:eos][: max_tokens - stats.tokens]
                     # update the drafter
                     t0 = time.perf_counter()
-                    self.history.extend(out)
+                    seq.history.extend(out)
                     self.drafter.observe(out)
                     stats.draft_s += time.perf_counter() - t0
                     stats.tokens += len(out)
-                    stats.accepted += len(out) + (stop is not None and len(out) == stop)
-                    if stop is not None and len(out) == stop:
-                        stats.stop_token = accepted[stop]
+                    stats.accepted += len(out) + (eos is not None and len(out) == eos)
+                    if eos is not None and len(out) == eos:
+                        stats.stop_token = accepted[eos]
                     stats.decode_s = time.perf_counter() - t_start
                     if out:
                         yield out
-                    if stop is not None or len(out) < len(accepted):
+                    if eos is not None or len(out) < len(accepted):
                         break
             finally:
                 stats.decode_s = time.perf_counter() - t_start

@@ -65,7 +65,8 @@ class InfillPrompt:
     fim: bool  # False: the prefix-only layout
     truncated: bool  # some of the text sent is not in the prompt
     rules: "CompletionRules"
-    context: list[list[int]]  # prefix-only: the chunks left out, then the suffix, for the drafter (engine.start_request)
+    context: list[list[int]]  # prefix-only: the chunks left out, then the suffix, for the drafter
+    # (engine.start_request)
 
 
 @dataclass

@@ -71,7 +71,8 @@ def _session(model, tokenizer, drafter: str, draft_budget: int | None) -> Sessio
 
 def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, max_tokens: int = 256,
                     drafter: str = DEFAULT_DRAFTER, draft_budget: int | None = None, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **kwargs) -> Iterator[GenerationResponse]:
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
     if kwargs.get("sampler") is not None or kwargs.get("logits_processors"):
         raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler or logits processors")

@@ -208,7 +208,8 @@ def _hub_snapshot(repo: str) -> Path:
     except HfHubHTTPError as e:
         raise CachebackError(f"cannot download {repo!r}: {str(e).splitlines()[0]}") from None
     except Exception as e:  # network errors come in many types
-        raise CachebackError(f"cannot download {repo!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise CachebackError(f"cannot download {repo!r}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:

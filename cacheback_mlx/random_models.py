@@ -111,7 +111,8 @@ def parse_spec(text: str) -> Spec:
     for option in options:
         o = option.strip().lower()
         key, eq, value = o.partition("=")
-        slot = "bits" if o in BITS else "dtype" if o in FLOATS else key if eq and key in ("layers", "seed", "vocab") else None
+        slot = ("bits" if o in BITS else "dtype" if o in FLOATS
+                else key if eq and key in ("layers", "seed", "vocab") else None)
         if slot is None:
             raise CachebackError(f"unknown option {option!r} in {text!r} (options: {OPTIONS})")
         if slot in fields:
@@ -249,8 +250,10 @@ def build_model(spec: Spec, dtype: str, tokenizer_vocab: int) -> nn.Module:
     vocab = int(cfg["vocab_size"])
     masked = vocab > tokenizer_vocab
     owners = _owners(model)
-    head = next((p for p, m in owners if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] == vocab), None)
-    embed = next(p for p, m in owners if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)) and m.weight.shape[0] == vocab)
+    head = next((p for p, m in owners
+                 if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] == vocab), None)
+    embed = next(p for p, m in owners
+                 if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)) and m.weight.shape[0] == vocab)
     if masked and head is None:  # tied: the embedding is the head and takes the mask
         m = dict(owners)[embed]
         masked_embedding = (MaskedQuantizedEmbedding(m.weight.shape[0], m.dims, m.group_size, m.bits)

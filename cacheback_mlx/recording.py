@@ -41,7 +41,8 @@ def save_recording(folder: str | Path, records: list[dict], meta: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     out = path / "streams.json"
     info = {k: v for k, v in meta.items() if k != "prompts"}
-    out.write_text(json.dumps({"format": RECORD_FORMAT, **info, "prompt_sets": meta.get("prompts"), "prompts": records}))
+    out.write_text(json.dumps({"format": RECORD_FORMAT, **info, "prompt_sets": meta.get("prompts"),
+                               "prompts": records}))
     return out
 
 
@@ -72,9 +73,8 @@ def run_forced(session: Session, row, record: dict, label: str) -> Run:
     """One recorded question with one drafter (or Row), accepting along the recorded streams."""
     row = row if isinstance(row, Row) else Row(row, session.engine.sizer, session.engine.draft_budget)
     eng = session.engine
-    eng.drafter = row.drafter
     eng.set_sizer(row.sizer, row.budget)
-    eng.reset()
+    eng.reset(row.drafter)
     run = Run(record["id"], record["column"], label)
     for turn in record["turns"]:
         if not turn["out"]:

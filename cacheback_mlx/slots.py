@@ -29,44 +29,46 @@ SLOT_BYTES = 2 << 30  # idle slots' caches are emptied past this many bytes
 
 
 @dataclass
-class Slot:
-    """One sequence: its caches and what is known of them (the engine's live fields while active)."""
+class Sequence:
+    """One sequence the engine runs: its caches and what is known of them."""
 
     cache: ModelCache
     cached: list[int] = field(default_factory=list)  # tokens whose effect is in the caches
-    lead: list[int] = field(default_factory=list)  # accepted tokens not yet in the caches
-    history: list[int] = field(default_factory=list)  # the sequence the drafter saw
-    learned: set = field(default_factory=set)  # context segments the drafter learned
+    lead: list[int] = field(default_factory=list)  # accepted tokens not yet in the caches; lead[-1] is the root
+    history: list[int] = field(default_factory=list)  # the sequence the drafter saw: prompts + outputs
+    learned: set = field(default_factory=set)  # context segments the drafter learned (start_request)
     used: int = 0  # when it last served a request (a counter)
-
-    FIELDS = ("cache", "cached", "lead", "history", "learned")
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.cache.arrays())
 
+    def forget(self) -> None:
+        """What the drafter saw of it (a new drafter saw none of it); the caches stay."""
+        self.history, self.learned = [], set()
+
 
 class Slots:
-    """The slots of one engine; the active one's fields live on the engine itself."""
+    """The sequences of one engine, one per slot; `active` is the one the engine runs."""
 
-    def __init__(self, n: int, max_bytes: int = SLOT_BYTES):
+    def __init__(self, n: int, first: Sequence, max_bytes: int = SLOT_BYTES):
+        """first: the active sequence to start with (slot 0)."""
         if n < 1:
             raise CachebackError(f"slots must be >= 1 (got {n})")
         self.n = n
         self.max_bytes = max_bytes
-        self.slots: list[Slot | None] = [None] * n  # None: empty (no cache made yet)
+        self.slots: list[Sequence | None] = [first] + [None] * (n - 1)  # None: empty (no cache made yet)
         self.active = 0
         self.clock = 0
 
-    def choose(self, prompt: list[int], current: list[int], want: int | None = None) -> int:
-        """The slot for `prompt` (`current`: the active slot's cached tokens)."""
+    def choose(self, prompt: list[int], want: int | None = None) -> int:
+        """The slot for `prompt`."""
         if want is not None and want >= 0:
             if want >= self.n:
                 raise CachebackError(f"slot must be in [0, {self.n}) or -1 (got {want})")
             return want
         if self.n == 1:
             return 0
-        cached = [current if i == self.active else (s.cached if s is not None else [])
-                  for i, s in enumerate(self.slots)]
+        cached = [s.cached if s is not None else [] for s in self.slots]
         best, reuse = None, 0
         for i, toks in enumerate(cached):
             r = common_prefix(toks, prompt)
@@ -79,22 +81,16 @@ class Slots:
             return self.active if self.active in empty else empty[0]
         return min((i for i in range(self.n) if i != self.active), key=lambda i: self.slots[i].used)
 
-    def switch(self, engine, i: int) -> None:
-        """Make slot i the engine's: park the active slot's fields, take slot i's (a new slot gets
-        a fresh cache); then empty idle slots past the byte cap."""
+    def take(self, i: int, model) -> Sequence:
+        """Make slot i the active one (an empty slot gets a new sequence with fresh caches for
+        `model`) and return its sequence; then empty idle slots past the byte cap."""
         self.clock += 1
-        if i != self.active:
-            parked = self.slots[self.active] or Slot(engine.cache)
-            for name in Slot.FIELDS:
-                setattr(parked, name, getattr(engine, name))
-            self.slots[self.active] = parked
-            slot = self.slots[i] or Slot(ModelCache(engine.model))
-            for name in Slot.FIELDS:
-                setattr(engine, name, getattr(slot, name))
-            self.slots[i], self.active = slot, i
-        if self.slots[i] is not None:
-            self.slots[i].used = self.clock
+        if self.slots[i] is None:
+            self.slots[i] = Sequence(ModelCache(model))
+        self.active = i
+        self.slots[i].used = self.clock
         self._evict()
+        return self.slots[i]
 
     def _evict(self) -> None:
         idle = sorted((s.used, i) for i, s in enumerate(self.slots) if s is not None and i != self.active)
@@ -111,6 +107,6 @@ class Slots:
             if s is None or i == self.active:
                 continue
             if keep_caches:
-                s.history, s.learned = [], set()
+                s.forget()
             else:
                 self.slots[i] = None

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from .drafters.lru_table import FrozenTable, pack
 from .errors import CachebackError
 
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".html", ".toml", ".yaml", ".yml"}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".html", ".toml", ".yaml",
+                 ".yml"}
 CHUNK_TOKENS = 2_000_000  # tokens counted per numpy pass
 
 

@@ -57,7 +57,8 @@ class RandomTreeDrafter(Drafter):
             d = 1 if p < 0 else depth[p] + 1
             pos = len(history) + d - 1
             # follow the truth along some paths so that long acceptances happen too
-            on_truth = all(len(history) + depth[a] - 1 < len(self.full) and tokens[a] == self.full[len(history) + depth[a] - 1]
+            on_truth = all(len(history) + depth[a] - 1 < len(self.full)
+                           and tokens[a] == self.full[len(history) + depth[a] - 1]
                            for a in self._ancestors(parents, p))
             if on_truth and pos < len(self.full) and self.rng.random() < 0.6:
                 t = self.full[pos]

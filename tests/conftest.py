@@ -3,17 +3,17 @@
 import signal
 
 import cacheback_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core, as the package does)
+from cacheback_mlx import activations
+
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import llama
 
 # A shell starts background jobs with SIGINT ignored, and children inherit that: the tests that
 # press Ctrl-C on a subprocess would then wait for a KeyboardInterrupt that never comes. With a
 # handler here, the processes the tests start get SIGINT's default back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from mlx.utils import tree_map
-from mlx_lm.models import llama
-
-from cacheback_mlx import activations
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,8 @@ def default_model():
 
 def byte_level_symbols() -> list[str]:
     """The 256 printable stand-ins GPT-2 style byte-level BPE uses for raw bytes."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
     out, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -118,7 +119,8 @@ def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, se
         "tokenizer.ggml.token_type": mx.array([3] * len(specials) + [1] * 256, dtype=mx.int32),
         "tokenizer.ggml.eos_token_id": u32(2),
         "tokenizer.ggml.bos_token_id": u32(1),
-        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     }
     mx.save_gguf(str(path), arrays, meta)
     return model

@@ -8,10 +8,10 @@ open_session and never get past it).
 import json
 import sys
 
-from adversarial import OracleDrafter, RandomTreeDrafter
-
 from cacheback_mlx.cli import open_session
 from cacheback_mlx.sampling import SamplingParams
+
+from adversarial import OracleDrafter, RandomTreeDrafter
 
 
 def ids(session, prompt, n, sampling=SamplingParams()):

@@ -8,8 +8,9 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-from conftest import write_tiny_gguf
 from mlx.utils import tree_flatten
+
+from conftest import write_tiny_gguf
 
 # mlx-lm (= Hugging Face) module path -> GGUF tensor name, as gguf-py's tensor_mapping.py maps them
 LAYER = {

@@ -1,12 +1,12 @@
 """activations.py: the engine's SwiGLU on the CPU is mlx-lm's within float32 rounding, is used only
 while the engine builds a pass, and the engine stays lossless with it."""
 
+from cacheback_mlx import activations
+from cacheback_mlx.activations import cpu_swiglu, engine_pass
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import llama
-
-from cacheback_mlx import activations
-from cacheback_mlx.activations import cpu_swiglu, engine_pass
 
 
 def test_close_to_mlx_lm_swiglu_over_the_whole_range():
@@ -52,11 +52,12 @@ def test_installed_in_the_model_modules_the_engine_builds_a_cache_for():
 def test_engine_is_lossless_with_it_on_every_pass(monkeypatch):
     """A tiny model's MLP is too small for the size threshold: without it (as conftest sets for
     every test) every pass goes through cpu_swiglu; compare with mlx-lm's own greedy decoding."""
-    from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-    from mlx_lm.generate import generate_step
-
     from cacheback_mlx.drafters.base import NoDrafter
     from cacheback_mlx.engine import Engine
+
+    from mlx_lm.generate import generate_step
+
+    from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
     from conftest import tiny_llama
 
     model = tiny_llama(seed=3, hidden=96, heads=6, kv_heads=2, layers=3, vocab=150)

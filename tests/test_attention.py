@@ -1,11 +1,11 @@
 """attention.py: the CPU attention for passes of several rows equals MLX's fused kernel."""
 
+from cacheback_mlx import attention
+from cacheback_mlx.attention import _fused_exp, cpu_attention
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from cacheback_mlx import attention
-from cacheback_mlx.attention import _fused_exp, cpu_attention
 
 
 def test_exp_close_to_exp_and_exact_zero_for_masked():
@@ -88,7 +88,8 @@ def test_prefill_sized_passes_go_in_blocks_and_equal_the_fused_kernel():
         for mask in ("causal", mx.array(seen), mx.array(seen)[None, None],
                      mx.array(np.where(seen, 0.0, -1e9).astype(np.float32))):
             want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
-            np.testing.assert_allclose(np.array(cpu_attention(q, k, v, 0.3, mask)), np.array(want), atol=2e-6, rtol=1e-5)
+            np.testing.assert_allclose(np.array(cpu_attention(q, k, v, 0.3, mask)), np.array(want),
+                                       atol=2e-6, rtol=1e-5)
 
 
 def test_prefill_sized_passes_use_ours(monkeypatch):

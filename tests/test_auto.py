@@ -3,23 +3,24 @@
 import json
 import random
 
-import mlx.core as mx
-import numpy as np
-import pytest
-import zoo
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-from mlx_lm.generate import generate_step
-
-from cacheback_mlx.budget import RankRates, Sizer, best_size, known_outcomes
 from cacheback_mlx import costs
+from cacheback_mlx.budget import RankRates, Sizer, best_size, known_outcomes
 from cacheback_mlx.costs import CostTable, load_or_measure, measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
-from cacheback_mlx.drafters.base import Drafter, NoDrafter
+from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.drafters.scorer import Scorer
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay
 from cacheback_mlx.tree import DraftTree
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import zoo
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 
@@ -90,7 +91,8 @@ CPU_CURVE = {1: 1.0, 2: 1.14, 3: 1.18, 4: 1.14, 5: 1.36, 6: 1.46, 7: 1.28, 8: 1.
 
 def test_passes_are_padded_to_the_cheapest_measured_row_count_and_filled_with_drafts():
     sizer = Sizer(CostTable({256: CPU_CURVE}), learn=False)
-    assert [sizer.rows(r, 0) for r in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 25, 40)] == [1, 8, 8, 8, 8, 8, 8, 9, 16, 17, 25, 40]
+    assert [sizer.rows(r, 0)
+            for r in (1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 25, 40)] == [1, 8, 8, 8, 8, 8, 8, 9, 16, 17, 25, 40]
     for r in range(2, 17):  # the cheapest measured count at or above r
         assert sizer.costs(0)[r] == min(t for s, t in CPU_CURVE.items() if s >= r)
     # past the counts measured one by one, a count runs as itself at its interpolated cost
@@ -137,7 +139,7 @@ def rate(sizer, trees, truth) -> float:
 
 
 def test_a_cost_table_priced_wrong_is_corrected_from_the_passes_own_times():
-    """As in a live run of stop 29: a slow spell while the table was measured priced 9 and 24 rows
+    """As in a live run of 2026-11-24: a slow spell while the table was measured priced 9 and 24 rows
     too low and one row too high. Learned from the passes it sends, the sizer ends up choosing as
     well as one that knew the true curve, though the machine slows down by 30% half way."""
     truth = {r: t for r, t in CPU_CURVE.items()}
@@ -159,7 +161,7 @@ def test_a_cost_table_priced_wrong_is_corrected_from_the_passes_own_times():
 
 
 def test_prices_learned_over_long_prompts_do_not_carry_to_short_ones():
-    """As in stop 32's bench: over ~2,000 cached tokens, 8-row passes cost 1.3x what the table
+    """As in a bench run of 2026-11-25: over ~2,000 cached tokens, 8-row passes cost 1.3x what the table
     (measured at shorter contexts) says against one-row steps; over 300 tokens the table is right.
     Learned over the long prompt first, the short one still gets the table's 8-row price."""
     table = CostTable({256: {1: 1.0, 2: 1.03, 4: 1.06, 8: 1.1, 16: 1.4}})
@@ -525,7 +527,8 @@ def test_auto_sweep_refuses_a_missing_or_foreign_cost_file_in_one_line(tmp_path)
     foreign = tmp_path / "x.json"
     foreign.write_text('{"x": 1}')
     for args in (["--cost", str(tmp_path / "none.json")], ["--cost", str(foreign)], ["--truth", str(foreign)]):
-        r = subprocess.run([sys.executable, str(tool), "--no-sweep", *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, str(tool), "--no-sweep", *args],
+                           capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error:")
 
@@ -548,14 +551,16 @@ def test_auto_sweep_replays_a_bench_run_s_own_streams(tmp_path):
     runs = [{"prompt": p.id, "column": p.column, "drafter": "none", "tokens": reply, "turns": [90]}]
     run_json = tmp_path / "run.json"
     run_json.write_text(json.dumps({"meta": meta, "runs": runs}))
-    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(run_json), "--budgets", "7", "--drafters", "pld"],
+    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(run_json),
+                        "--budgets", "7", "--drafters", "pld"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| fresh | pld | 7 |")]
     assert len(rows) == 1 and float(rows[0][6]) > 3.0  # all MAT: the reply repeats a 9-token phrase
     bad = tmp_path / "bad.json"
     bad.write_text('{"meta": {}}')
-    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(bad)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(bad)],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error: --bench-json")
 
@@ -615,7 +620,7 @@ def test_a_short_uncached_tail_leads_the_first_pass_instead_of_a_prefill(family)
     leads, prefilled = [], []
     verify, prefill_ = eng._verify, eng._prefill
     eng._verify = lambda lead, tree, size: leads.append(len(lead)) or verify(lead, tree, size)
-    eng._prefill = lambda tokens: prefilled.append(len(tokens)) or prefill_(tokens)
+    eng._prefill = lambda tokens, stop=None: prefilled.append(len(tokens)) or prefill_(tokens, stop)
     assert [t for s in eng.generate(second, 30) for t in s] == truth, family
     tail = len(second) - len(first)
     assert eng.stats.prefill_tokens == tail - 1

@@ -2,9 +2,9 @@
 
 import json
 
-import pytest
-
 from cacheback_mlx import bench as B
+
+import pytest
 
 
 def test_spec_bench_columns_and_humaneval_prompts():
@@ -63,9 +63,9 @@ def test_json_output(tmp_path):
 
 
 def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
-    from conftest import write_tiny_gguf
-
     from cacheback_mlx.api import Session
+
+    from conftest import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "t.gguf", context=512)
     session = Session(str(tmp_path / "t.gguf"), "none")

@@ -119,15 +119,15 @@ def test_weights_stored_transposed_give_bitwise_the_same_passes(tied):
     of an [in, out] copy (OpenBLAS multiplies x @ W.T faster so): the same shapes and values,
     bitwise the same logits for passes of 1 to 40 rows over a cache, and a second call changes
     nothing."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import llama
-
     from cacheback_mlx import blas
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
 
     def build():
         mx.random.seed(3)

@@ -2,16 +2,16 @@
 
 import gzip
 
-import numpy as np
-import pytest
-
-from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx import table_builder
+from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.cacheback import DEFAULT_TABLE, CachebackDrafter, default_table
 from cacheback_mlx.drafters.lru_table import FrozenTable
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay_all
 from cacheback_mlx.table_builder import build_frozen_table, build_table_from_files
+
+import numpy as np
+import pytest
 
 
 def rich_history(n=400, seed=0):
@@ -77,7 +77,8 @@ def test_dynamic_tree_first_then_frozen_fills_the_rest():
     path, node = [], -1
     kids = tree.children()
     while True:  # follow the dynamic chain from the root
-        nxt = [c for c in kids[node + 1] if int(tree.tokens[c]) == chain[len(path) + 1]] if len(path) + 1 < len(chain) else []
+        nxt = [c for c in kids[node + 1]
+               if int(tree.tokens[c]) == chain[len(path) + 1]] if len(path) + 1 < len(chain) else []
         if not nxt:
             break
         node = nxt[0]

@@ -8,13 +8,6 @@ import sys
 import textwrap
 import time
 
-import mlx.core as mx
-import numpy as np
-import pytest
-import zoo
-from conftest import tiny_llama, write_tiny_gguf
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.card import CardDrafter
 from cacheback_mlx.drafters.card_tree import TokenTree
@@ -22,6 +15,14 @@ from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.loader import LoadedModel, load
 from cacheback_mlx.tokenizer import vocab_fingerprint
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import zoo
+from conftest import tiny_llama, write_tiny_gguf
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 N = 48
@@ -374,7 +375,8 @@ def test_bad_draft_specs_are_one_line_errors(ggufs, target, tmp_path, parallel):
 
 def test_cli_card_generate_stats_and_errors(ggufs):
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "generate", "hello", "--model", ggufs["target"],
+        return subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "generate", "hello",
+                               "--model", ggufs["target"],
                                "--raw", "-n", "12", "--fixed-budget", "--drafter", "card", *args],
                               capture_output=True, text=True, timeout=300)
 
@@ -383,12 +385,14 @@ def test_cli_card_generate_stats_and_errors(ggufs):
     assert "[card] mode parallel" in r.stderr and "cache hit rate" in r.stderr
     r = cli("--drafter-arg", "draft=self:2", "--drafter-arg", "parallel=false", "--stats")
     assert r.returncode == 0 and "mode sequential" in r.stderr, r.stderr
-    doctor = subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "doctor", "--model", ggufs["target"], "--drafter",
+    doctor = subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "doctor", "--model", ggufs["target"],
+                             "--drafter",
                              "card", "--drafter-arg", "draft=self:2"], capture_output=True, text=True, timeout=300)
     assert doctor.returncode == 0 and "drafter card: 16 tokens" in doctor.stdout, doctor.stderr
     assert "draft passes/target pass" in doctor.stdout and "cache hit rate" in doctor.stdout
     for args, needle in [(("--drafter-arg", "draft=self:9"), "choose N from 1 to 3"),
-                         (("--drafter-arg", f"draft={ggufs['fim']}"), "another tokenizer"), ((), "needs a draft model")]:
+                         (("--drafter-arg", f"draft={ggufs['fim']}"), "another tokenizer"),
+                         ((), "needs a draft model")]:
         r = cli(*args)
         err = r.stderr.strip()
         assert r.returncode == 1 and err.startswith("error: ") and "\n" not in err and needle in err, err

@@ -4,10 +4,10 @@ import json
 import sys
 import time
 
-import pytest
-
 from cacheback_mlx.chat import ChatState, handle_command, load_conversation, save_conversation
 from cacheback_mlx.errors import CachebackError
+
+import pytest
 
 
 class FakeSession:
@@ -39,7 +39,8 @@ def test_commands():
 
 
 def test_save_load_round_trip_and_bad_files(tmp_path):
-    st = ChatState(system="sys", messages=[{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}])
+    st = ChatState(system="sys", messages=[{"role": "user", "content": "héllo"},
+                                           {"role": "assistant", "content": "hi"}])
     path = tmp_path / "conv.json"
     save_conversation(path, st, "ngram")
     data = load_conversation(path)
@@ -101,11 +102,11 @@ def test_a_long_chat_on_a_small_context_keeps_answering_exactly(tmp_path):
     """40 turns on a model with a 256-token context: the oldest turns are dropped (never the
     system prompt), every turn is answered, and each reply is what a fresh generation over the
     kept turns gives."""
-    from conftest import write_tiny_gguf
-
     from cacheback_mlx.api import Session
     from cacheback_mlx.chat import reply
     from cacheback_mlx.sampling import SamplingParams
+
+    from conftest import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "t.gguf", context=256)
     session = Session(str(tmp_path / "t.gguf"), "auto", ssd_path=str(tmp_path / "ssd"))

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import write_tiny_gguf
 
 
@@ -62,8 +63,10 @@ def test_empty_prompt_bad_max_tokens_and_long_prompt(tiny_gguf):
 
 
 def test_bad_drafter_arg(tiny_gguf):
-    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "oops"), "KEY=VALUE")
-    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "nope=1"), "ngram")
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "oops"),
+                          "KEY=VALUE")
+    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "nope=1"),
+                          "ngram")
 
 
 def test_prompt_from_stdin(tiny_gguf):
@@ -91,7 +94,8 @@ def test_build_table_from_a_folder_and_jsonl(tmp_path, tiny_gguf):
     r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "cacheback",
             "--drafter-arg", f"frozen={out}")
     assert r.returncode == 0, r.stderr
-    assert_one_line_error(cli("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf), "not found")
+    assert_one_line_error(cli("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf),
+                          "not found")
 
 
 def test_build_datastore_and_use_it_with_rest(tmp_path, tiny_gguf):

@@ -14,12 +14,13 @@ which completes infill requests in the prefix-only layout and says `"fim": false
 import json
 import re
 
-import pytest
-from conftest import write_tiny_gguf
-from fastapi.testclient import TestClient
-
 from cacheback_mlx.api import Session
 from cacheback_mlx.server import create_app
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import write_tiny_gguf
 
 CONTEXT = 256
 CONTINUE_STOPS = ["/src/", "#- coding: utf-8", "```"]  # Continue's getStopTokens for a plain model name

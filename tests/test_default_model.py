@@ -1,13 +1,13 @@
 """The real default model (SmolLM2-135M): sensible answers, and every drafter lossless against
 plain greedy decoding, token for token."""
 
-import mlx.core as mx
-import pytest
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx.api import Session
 from cacheback_mlx.drafters import drafter_names, make_drafter
 from cacheback_mlx.engine import Engine
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_o
         eng.reset()
         assert [t for step in eng.generate(ids[:-20], 4) for t in step]  # a first turn, then 20 new tokens
         prefilled, leads, verify, prefill_ = [], [], eng._verify, eng._prefill
-        eng._prefill = lambda tokens: prefilled.append(len(tokens)) or prefill_(tokens)
+        eng._prefill = lambda tokens, stop=None: prefilled.append(len(tokens)) or prefill_(tokens, stop)
         eng._verify = lambda lead, tree, size: leads.append((len(lead), size)) or verify(lead, tree, size)
         out = [t for step in eng.generate(ids, N) for t in step]
         del eng._prefill, eng._verify

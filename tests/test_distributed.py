@@ -15,15 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-import zoo
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.loader import LoadedModel, load, save_folder
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import zoo
 
 HERE = Path(__file__).parent
 PY = sys.executable
@@ -95,7 +96,8 @@ def ranks(tmp_path):
 def ring(tmp_path_factory):
     """Skip the module when two ring ranks cannot connect on 127.0.0.1 here."""
     r = Ranks(tmp_path_factory.mktemp("ring"))
-    code = "import mlx.core as mx; g = mx.distributed.init(strict=True); print(mx.distributed.all_sum(mx.array([1])).item())"
+    code = ("import mlx.core as mx; g = mx.distributed.init(strict=True); "
+            "print(mx.distributed.all_sum(mx.array([1])).item())")
     try:
         results = r.run([[PY, "-c", code]] * 2)
     finally:
@@ -189,7 +191,8 @@ def chat_ranks(ranks, folder):
     cmd = CLI + ["chat", "-m", str(folder), "--drafter", "ngram", "-n", "8", "--distributed", "tensor"]
     procs = ranks.start([cmd, cmd], stdin=True)
     banner = procs[0].stdout.readline()  # the follower is in its loop once rank 0 prints this
-    assert banner.startswith("cacheback-mlx chat"), procs[0].stderr.read()[-2000:] if procs[0].poll() is not None else banner
+    assert banner.startswith("cacheback-mlx chat"), (procs[0].stderr.read()[-2000:] if procs[0].poll() is not None
+                                                     else banner)
     return procs
 
 
@@ -226,7 +229,8 @@ def test_a_model_mlx_lm_cannot_shard_that_way_is_refused_in_one_line_on_every_ra
 
 def test_ranks_that_disagree_on_the_model_or_drafter_are_refused_in_one_line(ring, folders, ranks):
     base = CLI + ["generate", "--raw", "--distributed", "tensor", "abc"]
-    for other in (["-m", str(folders["qwen2"]), "--drafter", "ngram"], ["-m", str(folders["llama"]), "--drafter", "pld"]):
+    for other in (["-m", str(folders["qwen2"]), "--drafter", "ngram"],
+                  ["-m", str(folders["llama"]), "--drafter", "pld"]):
         results = ranks.run([base + ["-m", str(folders["llama"]), "--drafter", "ngram"], base + other])
         for rc, out, err in results:
             assert rc == 1 and out == ""
@@ -236,9 +240,9 @@ def test_ranks_that_disagree_on_the_model_or_drafter_are_refused_in_one_line(rin
 
 
 def test_tensor_sharding_needs_heads_that_split_and_pipeline_needs_a_layer_per_rank(folders):
-    from mlx_lm.utils import load_model
-
     from cacheback_mlx.distributed import check_shardable
+
+    from mlx_lm.utils import load_model
 
     lazy, _ = load_model(folders["qwen2"], lazy=True, strict=False)  # 4 heads, 2 KV heads, 2 layers
     check_shardable(lazy, "tensor", 2, "qwen2")

@@ -2,12 +2,6 @@
 
 import random
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
 from cacheback_mlx.engine import Engine, accept
 from cacheback_mlx.errors import CachebackError
@@ -15,6 +9,13 @@ from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 

@@ -1,13 +1,6 @@
 """The architecture zoo: every family's tiny random model, decoded by the engine with adversarial
 drafters, must give mlx-lm's own greedy tokens (generate_step with the model's own cache)."""
 
-import mlx.core as mx
-import numpy as np
-import pytest
-import zoo
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.auto import AutoDrafter
@@ -17,6 +10,14 @@ from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.kvcache import WindowKVCache
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import verify_pass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import zoo
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
 
 # 24 prompt tokens + 24 generated: crosses the sliding window (8) and the position threshold (16)
 PROMPT = [(7 * i + 3) % 97 + 1 for i in range(24)]
@@ -81,7 +82,7 @@ def test_greedy_tokens_equal_mlx_lm(family):
     out, _ = run(model, RandomTreeDrafter(PROMPT, truth, seed=3), draft_budget=20, buckets=(1, 2, 4, 8, 16, 32))
     assert out == truth, (name, "buckets")
     # per-step sizing: passes padded to a cheaper row count (8 rows cost less than 2-7), and the
-    # uncached prompt (24 tokens, under Engine's LEAD_TAIL) leading the first pass with the drafts
+    # uncached prompt (24 tokens, under the planner's LEAD_TAIL) leading the first pass with the drafts
     padded = CostTable({256: {1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5, 8: 1.2, 16: 2.0}})
     for label, d in {"oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
                      "random-2": RandomTreeDrafter(PROMPT, truth, seed=2),
@@ -198,9 +199,9 @@ def test_unsupported_cache_kinds_get_a_one_line_error():
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
-    from conftest import write_tiny_gguf
-
     from cacheback_mlx.loader import load
+
+    from conftest import write_tiny_gguf
 
     d = tmp_path_factory.mktemp("tok")
     write_tiny_gguf(d / "t.gguf")
@@ -213,11 +214,11 @@ def test_mlx_lm_folder_of_every_family_loads_and_doctor_names_its_caches(name, t
     import json
     import shutil
 
-    from click.testing import CliRunner
-    from mlx.utils import tree_flatten
-
     from cacheback_mlx.cli import main
     from cacheback_mlx.loader import load
+
+    from click.testing import CliRunner
+    from mlx.utils import tree_flatten
 
     model = zoo.tiny_model(name)
     folder = tmp_path / name
@@ -250,10 +251,10 @@ def test_a_family_the_engine_cannot_undo_is_refused_in_one_line(tmp_path, tokeni
     import json
     import shutil
 
+    from cacheback_mlx.cli import main
+
     from click.testing import CliRunner
     from mlx.utils import tree_flatten
-
-    from cacheback_mlx.cli import main
 
     model = zoo.tiny_model("llama4")
     folder = tmp_path / "llama4"
@@ -347,9 +348,9 @@ def test_weights_stored_transposed_equal_mlx_lm_on_the_loaded_layout(family):
     """The loader stores float32 weights transposed for OpenBLAS (blas.transpose_weights): on every
     family, a copy so stored gives bitwise the same logits as the model as built, and the engine on
     it, with random trees, the same tokens as mlx-lm's greedy decoding on the model as built."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     from cacheback_mlx import blas
+
+    from mlx_lm.models.cache import make_prompt_cache
 
     name, model = family
     moved = zoo.tiny_model(name)

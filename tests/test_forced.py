@@ -1,10 +1,6 @@
 """Forced acceptance: a model run at a recorded stream's acceptance (engine.generate(forced=)),
 whose MAT must equal the offline replay's on the same streams, with real passes underneath."""
 
-import mlx.core as mx
-import pytest
-from mlx_lm.models import llama
-
 from cacheback_mlx import bench as B
 from cacheback_mlx import recording as R
 from cacheback_mlx.drafters import make_drafter
@@ -12,6 +8,10 @@ from cacheback_mlx.engine import Engine, accept, forced_picks
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, longest_match, replay_requests
 from cacheback_mlx.tree import DraftTree
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
 
 VOCAB = 49152  # the default model's vocabulary: the recorded streams' ids fit
 

@@ -1,16 +1,17 @@
 """GGUF loader beyond llama: tiny random qwen2 / qwen3 / gemma2 / gemma3 / phi3 models written the
 way llama.cpp's converter lays them out load back as the same mlx-lm model, with the same logits."""
 
+from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.loader import load
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import write_tiny_gguf
-from gguf_writer import vocab_size, write_family_gguf
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma2, gemma3_text, phi3, qwen2, qwen3
 
-from cacheback_mlx.errors import CachebackError
-from cacheback_mlx.loader import load
+from conftest import write_tiny_gguf
+from gguf_writer import vocab_size, write_family_gguf
 
 CONTEXT = 64
 WINDOW = 8

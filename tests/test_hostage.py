@@ -9,14 +9,15 @@ import sys
 import threading
 import time
 
-import httpx
-import pytest
-from conftest import write_tiny_gguf
-from test_server import free_port, start
-
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.engine import Engine
+
+import httpx
+import pytest
+
+from conftest import write_tiny_gguf
+from test_server import free_port, start, wait_for_health
 
 LONG = [5, 6, 7, 8] * 1500  # 6,000 prompt tokens
 CHUNK = 64
@@ -126,16 +127,12 @@ def test_a_seed_is_validated_the_same_way_streaming_or_not(long_server):
 def test_a_signal_during_a_long_prefill_ends_serve(tmp_path, sig):
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve", "--model", "random:smollm2-135m:layers=4",
+    proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve",
+                             "--model", "random:smollm2-135m:layers=4",
                              "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(url)
         assert completion(url, "hello there", n=8).status_code == 200  # one request into the SSD store
         threading.Thread(target=lambda: completion(url, [100 + i % 500 for i in range(7000)], timeout=120),
                          daemon=True).start()

@@ -1,11 +1,12 @@
 """The mlx-lm-shaped API (cacheback_mlx.lm) against mlx-lm's own stream_generate."""
 
-import pytest
-from conftest import write_tiny_gguf
-from mlx_lm import stream_generate as mlx_stream
-
 from cacheback_mlx import lm
 from cacheback_mlx.errors import CachebackError
+
+import pytest
+from mlx_lm import stream_generate as mlx_stream
+
+from conftest import write_tiny_gguf
 
 FIELDS = ("text", "token", "prompt_tokens", "generation_tokens", "finish_reason")
 

@@ -2,14 +2,15 @@
 
 import json
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from conftest import write_tiny_gguf
-
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.loader import default_model_path, load
 from cacheback_mlx.replay import SHARED_STREAMS
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import write_tiny_gguf
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
@@ -101,9 +102,9 @@ def test_default_model_tokenizer_round_trips_recorded_prompts(default_model):
 
 def test_mlx_lm_model_folder(tmp_path):
     """An mlx-lm folder (config.json + safetensors + tokenizer files) loads with the same logits."""
-    from mlx.utils import tree_flatten
-
     from cacheback_mlx.loader import load as load_any
+
+    from mlx.utils import tree_flatten
 
     gguf = tmp_path / "t.gguf"
     ref = write_tiny_gguf(gguf)

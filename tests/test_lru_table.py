@@ -2,10 +2,10 @@
 
 from collections import OrderedDict
 
+from cacheback_mlx.drafters.lru_table import LruTable
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cacheback_mlx.drafters.lru_table import LruTable
 
 
 def test_followers_come_most_recent_first_and_lookup_does_not_touch_them():

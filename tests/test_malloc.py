@@ -6,10 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+from cacheback_mlx import malloc
+
 import mlx.core as mx
 import pytest
-
-from cacheback_mlx import malloc
 
 
 def cache_limit() -> int:

@@ -4,12 +4,6 @@ accepted, it never chooses rows that lose time."""
 
 import random
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx.utils import tree_map_with_path
-from mlx_lm.models import llama
-
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import SIZES, CostTable
 from cacheback_mlx.drafters import make_drafter
@@ -17,6 +11,12 @@ from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.replay import decode
 from cacheback_mlx.tree import DraftTree
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map_with_path
+from mlx_lm.models import llama
 
 # pass cost by rows, relative to one row: a CPU at ~1.5B float32 (2-8 rows ~1.1-1.2x), a GPU's
 # flat curve, and a compute-bound one where every row costs almost a step

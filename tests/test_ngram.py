@@ -1,10 +1,10 @@
 """N-gram drafter: FNV-1a vectors, count tables, back-off, window, chain drafts."""
 
-import pytest
-
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.ngram import FNV_OFFSET, NGramDrafter, fnv1a
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay_all
+
+import pytest
 
 
 def reference_fnv1a(tokens):

@@ -5,14 +5,15 @@ import importlib
 import inspect
 import pkgutil
 
-import mlx.core as mx
-import mlx_lm.models
-import zoo
-
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.positions import HANDLERS, module_position_uses, source_position_uses
 from cacheback_mlx.tree import DraftTree
+
+import mlx.core as mx
+import mlx_lm.models
+
+import zoo
 
 # Families of mlx-lm 0.32 whose forward pass computes with positions in ways a tree pass cannot
 # place (they get chain drafts), reviewed by hand. A new family or a changed one makes

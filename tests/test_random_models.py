@@ -4,13 +4,6 @@ decodes a varied greedy stream that the engine reproduces token for token with a
 
 import functools
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from adversarial import OracleDrafter, RandomTreeDrafter
-from click.testing import CliRunner
-from mlx_lm.generate import generate_step
-
 from cacheback_mlx import footprint, loader, random_models, random_weights
 from cacheback_mlx.cli import main
 from cacheback_mlx.drafters import make_drafter
@@ -18,6 +11,14 @@ from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tokenizer import vocab_fingerprint
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.generate import generate_step
+
+from adversarial import OracleDrafter, RandomTreeDrafter
 
 TOKENIZER_VOCAB = 49152
 N = 16
@@ -85,7 +86,8 @@ def test_greedy_stream_varies_and_the_engine_reproduces_it(case, auto):
     if CASES[name].split(":")[2] in ("q4", "q8") and mx.default_device().type == mx.DeviceType.gpu:
         return  # a GPU's quantized kernels round a pass of several rows differently from one row
     n = N if name in MORE else 6
-    assert run(loaded, OracleDrafter(prompt, truth, extra_wrong_branches=1), prompt, 4, n) == truth[:n], (name, "oracle")
+    assert run(loaded, OracleDrafter(prompt, truth, extra_wrong_branches=1),
+               prompt, 4, n) == truth[:n], (name, "oracle")
     if name in MORE:
         assert run(loaded, RandomTreeDrafter(prompt, truth, seed=1), prompt, 6) == truth, (name, "random trees")
         auto.reset()
@@ -170,8 +172,10 @@ def test_layers_keep_one_layer_of_each_kind():
     cut = lambda spec: random_models._text(random_models.model_config(random_models.parse_spec(spec)))  # noqa: E731
     assert kinds(cut("random:gemma-3-12b:layers=2")) == ["sliding_attention", "full_attention"]
     assert kinds(cut("random:qwen3.5-9b:layers=3")) == ["linear_attention"] * 2 + ["full_attention"]
-    assert kinds(cut("random:qwen3.5-9b:layers=6")) == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
-    assert cut("random:gpt-oss-20b:layers=3")["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert kinds(cut("random:qwen3.5-9b:layers=6")) == (["linear_attention"] * 3 + ["full_attention"]
+                                                        + ["linear_attention"] * 2)
+    assert cut("random:gpt-oss-20b:layers=3")["layer_types"] == ["sliding_attention", "full_attention",
+                                                                 "sliding_attention"]
     assert random_models.parse_spec("random:qwen3-8b:layers=36").layers is None  # all: normalized away
 
 

@@ -6,20 +6,21 @@ do not capture (Mamba 1, Jamba) keep the snapshot-and-re-feed fallback."""
 
 import random
 
-import mlx.core as mx
-import numpy as np
-import pytest
-import zoo
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
-from mlx_lm.models import gated_delta, ssm
-from test_families import reference
-
 from cacheback_mlx import recurrent
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import gated_delta, ssm
+
+import zoo
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from test_families import reference
 
 PROMPT = [(7 * i + 3) % 97 + 1 for i in range(24)]
 N = 24

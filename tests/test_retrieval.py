@@ -5,18 +5,18 @@ import sys
 import threading
 import time
 
-import numpy as np
-import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.pld import PromptLookupDrafter
-from cacheback_mlx.drafters.rest import RestDrafter, load_datastore, save_datastore, shipped_datastore
+from cacheback_mlx.drafters.rest import RestDrafter, save_datastore, shipped_datastore
 from cacheback_mlx.drafters.ssd import SsdDrafter
 from cacheback_mlx.drafters.suffix import SEP, SuffixIndex, trie_tree
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay, replay_all
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def brute_longest(tokens, context, max_n):
@@ -254,7 +254,8 @@ def test_ssd_rebuilds_on_worker_threads_keep_memory_flat(tmp_path):
     with glibc's dynamic mmap threshold those came from malloc arenas and were never given back
     (~150 bytes of resident memory per token served). malloc.py fixes the threshold; what is left
     is the buffer and its index themselves (~20 bytes per token). Fresh process: clean malloc."""
-    out = subprocess.run([sys.executable, "-c", SSD_SERVER_LOOP, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SSD_SERVER_LOOP, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     grown, tokens, status = out.stdout.split(maxsplit=2)
     if "not glibc" in status:

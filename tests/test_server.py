@@ -6,15 +6,16 @@ import threading
 import time
 from types import SimpleNamespace
 
-import httpx
-import pytest
-from conftest import write_tiny_gguf
-
 from cacheback_mlx.api import Session
 from cacheback_mlx.drafters.base import Drafter
-from cacheback_mlx.tree import DraftTree
-from cacheback_mlx.fim import CompletionRules, InfillBuilder, fim_prompt
 from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.fim import CompletionRules, InfillBuilder, fim_prompt
+from cacheback_mlx.tree import DraftTree
+
+import httpx
+import pytest
+
+from conftest import write_tiny_gguf
 
 
 def free_port() -> int:
@@ -23,10 +24,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(session, **kw):
-    import uvicorn
+def wait_for_health(url: str, seconds: float = 60.0) -> float:
+    """Seconds until a server just started answers /health."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer /health within {seconds} s")
 
+
+def start(session, **kw):
     from cacheback_mlx.server import create_app
+
+    import uvicorn
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(session, **kw), host="127.0.0.1", port=port, log_level="warning"))
@@ -70,7 +83,8 @@ def test_health_models_and_api_key(tiny_server):
 
 def test_infill_exactly_as_llama_vim_sends_it(tiny_server):
     body = {"id_slot": 0, "input_prefix": "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",
-            "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n", "time": [1732000000, 12]}],
+            "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n",
+                             "time": [1732000000, 12]}],
             "prompt": "    return ", "n_predict": 12, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
             "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
@@ -97,7 +111,8 @@ def test_streaming_infill_and_v1_completions_with_suffix(tiny_server):
 
 
 def test_bad_requests_get_4xx_json_errors(tiny_server):
-    post = lambda path, **kw: httpx.post(f"{tiny_server}{path}", headers={**AUTH, **kw.pop("headers", {})}, timeout=30, **kw)
+    post = lambda path, **kw: httpx.post(f"{tiny_server}{path}", headers={**AUTH, **kw.pop("headers", {})},
+                                         timeout=30, **kw)
     cases = [
         post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
         post("/v1/completions", json={"prompt": 5, "max_tokens": "many"}),
@@ -178,10 +193,12 @@ def test_default_model_through_the_openai_client(default_model):
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         chunks = client.chat.completions.create(model="default", stream=True, max_tokens=24,
-                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                                messages=[{"role": "user",
+                                                           "content": "What is the capital of France?"}])
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert "Paris" in text
-        r = httpx.post(f"{url}/infill", json={"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 16}, timeout=60)
+        r = httpx.post(f"{url}/infill", json={"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 16},
+                       timeout=60)
         assert r.status_code == 200 and r.json()["fim"] is False  # prefix-only completion
     finally:
         server.should_exit = True
@@ -202,12 +219,7 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
                              "--drafter", "ngram", "--port", str(port), "--infill-extra", "256", "--slots", "2"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(f"http://127.0.0.1:{port}")
         assert httpx.get(f"http://127.0.0.1:{port}/props", timeout=5).json()["total_slots"] == 2
         slots = set()
         for prompt in ("hello", "world"):

@@ -2,13 +2,14 @@
 may produce a 5xx. Runs against the ASGI app in process with a tiny FIM model."""
 
 import pytest
+
 from conftest import write_tiny_gguf
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-
 from cacheback_mlx.api import Session  # noqa: E402
 from cacheback_mlx.server import create_app  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,8 @@ def test_no_input_makes_the_server_fail(app):
 
         strategy = op.as_strategy()
 
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         @given(case=strategy)
         def check(case):
             if case.body is not None and isinstance(case.body, dict):

@@ -1,14 +1,15 @@
 """Slots: several sequences' caches kept at once (an editor flipping between files), each request in
 the slot that reuses most of its prompt, output unchanged."""
 
-import pytest
-from adversarial import RandomTreeDrafter
-
 from cacheback_mlx.drafters.base import Drafter, NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.fim import InfillBuilder
-from cacheback_mlx.slots import Slots
+from cacheback_mlx.slots import Sequence, Slots
+
+import pytest
+
+from adversarial import RandomTreeDrafter
 
 A = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8, 11, 12, 13, 14, 15, 16]
 B = [60, 61, 2, 9, 9, 70, 71, 72, 4, 4, 30, 31, 32, 33, 34, 35]
@@ -24,18 +25,18 @@ def plain(model, prompt, n=8):
 
 
 def test_choice_continues_a_sequence_takes_an_empty_slot_then_the_least_recent():
-    s = Slots(2)
-    assert s.choose(A, []) == 0  # everything empty: the active slot
-    s.slots[0] = None
+    s = Slots(2, Sequence(None))
+    assert s.choose(A) == 0  # everything empty: the active slot
+    s.slots[0].cached = list(A)
     # the active slot holds A: a continuation of A stays, another prompt takes the empty slot
-    assert s.choose(A + [1, 2], A) == 0
-    assert s.choose(B, A) == 1
-    assert s.choose(A[:1] + B, A) == 1  # one shared token (a BOS) is not a continuation
-    assert s.choose(A + list(range(40)), A) == 0  # a long paste still continues its sequence
-    assert s.choose(B, A, want=0) == 0
+    assert s.choose(A + [1, 2]) == 0
+    assert s.choose(B) == 1
+    assert s.choose(A[:1] + B) == 1  # one shared token (a BOS) is not a continuation
+    assert s.choose(A + list(range(40))) == 0  # a long paste still continues its sequence
+    assert s.choose(B, want=0) == 0
     with pytest.raises(CachebackError, match=r"^slot must be in \[0, 2\)"):
-        s.choose(B, A, want=2)
-    assert Slots(1).choose(B, A) == 0
+        s.choose(B, want=2)
+    assert Slots(1, Sequence(None, cached=list(A))).choose(B) == 0
 
 
 def test_interleaved_sequences_reuse_their_slot_and_stay_exact(tiny_model):

@@ -13,18 +13,20 @@ import random
 import threading
 import time
 
+from cacheback_mlx.api import Session
+
 import httpx
 import pytest
+
 from conftest import write_tiny_gguf
 from test_server import start
-
-from cacheback_mlx.api import Session
 
 CLIENTS = 8
 
 REQUESTS = [
     ("/infill", {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "n_predict": 12,
-                 "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n", "time": [1, 2]}]}),
+                 "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n",
+                                  "time": [1, 2]}]}),
     ("/infill", {"input_prefix": "for i in range(10):\n    ", "input_suffix": "", "n_predict": 10}),
     ("/completion", {"prompt": "The quick brown fox jumps over the lazy dog. The quick brown", "n_predict": 16}),
     ("/completion", {"prompt": "abc abc abc abc", "n_predict": 12}),
@@ -65,7 +67,8 @@ def content(path: str, body: dict, stream: bool, client: httpx.Client) -> tuple[
 
 def hang_up(path: str, body: dict, client: httpx.Client) -> int:
     """Open a stream, read its first bytes, and go away."""
-    with client.stream("POST", path, json={**body, "stream": True, "n_predict": 64, "max_tokens": 64}, timeout=120) as r:
+    with client.stream("POST", path, json={**body, "stream": True, "n_predict": 64, "max_tokens": 64},
+                       timeout=120) as r:
         for _ in r.iter_raw():
             break
         return r.status_code

@@ -4,10 +4,10 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-
 from cacheback_mlx.drafters.ssd_store import HEADER, SsdStore
 from cacheback_mlx.drafters.suffix import SEP
+
+import numpy as np
 
 WRITER = textwrap.dedent("""
     import sys

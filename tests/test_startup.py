@@ -6,19 +6,18 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-
-import httpx
-import numpy as np
-import pytest
-from conftest import write_tiny_gguf
 
 from cacheback_mlx import blas, cores, costs
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostFile, CostTable, Measurement, PriorCost
+
+import httpx
+import pytest
+
+from conftest import write_tiny_gguf
 
 EXE = str(Path(sys.executable).with_name("cacheback-mlx"))
 README_PROMPT = "Write a Python class for a stack with push, pop and peek methods."
@@ -215,21 +214,14 @@ def test_two_processes_started_together_share_the_machine(tmp_path):
 
 @pytest.mark.slow
 def test_serve_on_a_fresh_cache_answers_at_once(tmp_path):
-    from test_server import free_port
+    from test_server import free_port, wait_for_health
 
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    t0 = time.perf_counter()
     proc = subprocess.Popen([EXE, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        while time.perf_counter() - t0 < 60:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        assert time.perf_counter() - t0 <= 10
+        assert wait_for_health(url) <= 10
         r = httpx.post(f"{url}/completion", json={"prompt": "def fib(n):", "n_predict": 16}, timeout=60)
         assert r.status_code == 200 and r.json()["content"]
         time.sleep(3)  # idle: the table is being measured, a pass at a time

@@ -152,4 +152,4 @@ def _seen_before_typed(later_blocks: str) -> int:
 
 def test_the_replay_shows_no_line_before_it_is_typed_unless_later_blocks_are_kept():
     assert _seen_before_typed("cut") == 0
-    assert _seen_before_typed("kept") > 0  # the protocol before stop 39 did
+    assert _seen_before_typed("kept") > 0  # the earlier protocol (later blocks kept in the file) did

@@ -30,6 +30,7 @@ not in FAMILIES).
 import importlib
 
 import cacheback_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
@@ -350,11 +351,11 @@ def tree_logits_error(model, tree, prompt) -> float:
     """One engine pass over `tree` after `prompt` vs mlx-lm's logits along each row's root path,
     fed token by token into the model's own cache: the worst row's max abs difference, relative
     to that row's largest logit (at least 1)."""
-    import numpy as np
-    from mlx_lm.models.cache import make_prompt_cache
-
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.verify import prefill, verify_pass
+
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
 
     cache = ModelCache(model)
     prefill(model, cache, prompt[:-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import socket
@@ -62,12 +63,12 @@ def main(argv=None) -> int:
     codes: collections.Counter = collections.Counter()
     problems: list[str] = []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        up = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < up:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).is_success:
                     break
-            except httpx.TransportError:
-                time.sleep(0.2)
+            time.sleep(0.2)
         solo = {p: text_of(p, httpx.post(url + p, json=b, timeout=120)) for p, b in GOOD}
 
         def good(p, b):

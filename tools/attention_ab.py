@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-import click
-
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
+
+import click
 
 
 @click.command()
@@ -21,19 +21,19 @@ import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core
 @click.option("--rows", default="1,2,4,8,16")
 @click.option("--repeats", default=7)
 def main(model, contexts, rows, repeats):
-    import mlx.core as mx
-
     from cacheback_mlx import attention
     from cacheback_mlx.api import load_cached
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
 
+    import mlx.core as mx
+
     lm = load_cached(model)
     cache = ModelCache(lm.model)
     done = 0
     print(f"{lm.name}, {mx.default_device()}, float32; ms per pass (fastest of {repeats}), on = attention.py")
-    print(f"| cached | rows | MLX attention ms | ours ms | ours / MLX | same picks |\n|---:|---:|---:|---:|---:|:---:|")
+    print("| cached | rows | MLX attention ms | ours ms | ours / MLX | same picks |\n|---:|---:|---:|---:|---:|:---:|")
     for c in (int(x) for x in contexts.split(",")):
         prefill(lm.model, cache, [(100 + i) % 5000 for i in range(done, c)])
         done = c

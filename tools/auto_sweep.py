@@ -23,13 +23,13 @@ import argparse
 import json
 import random
 
-import numpy as np
-
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable, from_json
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.auto import AutoDrafter
 from cacheback_mlx.replay import load_streams, longest_match, replay
+
+import numpy as np
 
 FROZEN = None  # --frozen: a table in place of the shipped one
 
@@ -135,20 +135,24 @@ def main():
                 if name not in a.drafters.split(","):
                     continue
                 r = run(lambda: make(b), streams, b, in_order)
-                print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} |", flush=True)
+                print(f"| {'in order' if in_order else 'fresh'} | {name} | {b} | {r[0]:.3f} | {r[1]:.3f} | "
+                      f"{r[2]:.3f} | {r[3]:.0f} |", flush=True)
     if cost:
         clock = None
         if truth:
             rng = random.Random(0)
             clock = lambda rows, context: truth.cost(rows, context) * rng.lognormvariate(0.0, a.noise)
             print(f"\ndecided with {a.cost}, priced by {a.truth} (lognormal noise {a.noise} on each pass's time)")
-        print("\n| protocol (in order) | drafter | budget | all MAT | draft us/step | tok/s by pass time | tok/s by pass + draft time |")
+        print("\n| protocol (in order) | drafter | budget | all MAT | draft us/step | tok/s by pass time "
+              "| tok/s by pass + draft time |")
         print("|---|---|---|---:|---:|---:|---:|")
         for name in ("auto", "cacheback"):
-            for label, b, sizer in (("fixed 7", 7, FixedSizer(cost, learn=False)), ("per step, cap 63", 63, Sizer(cost))):
+            for label, b, sizer in (("fixed 7", 7, FixedSizer(cost, learn=False)),
+                                    ("per step, cap 63", 63, Sizer(cost))):
                 r = run(lambda: DRAFTERS[name](b), streams, b, True, sizer=sizer, clock=clock)
                 with_draft = r[4] / (1 + r[3] * 1e-6 * r[4] / r[2])  # seconds per token + draft per token
-                print(f"| in order | {name} | {label} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {with_draft:.2f} |", flush=True)
+                print(f"| in order | {name} | {label} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {with_draft:.2f} |",
+                      flush=True)
 
 
 def load_cost(ap, path: str) -> CostTable:

@@ -21,8 +21,8 @@ import sys
 from cacheback_mlx import bench as B
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
-from cacheback_mlx.costs import cpu_name
 from cacheback_mlx.cli import parse_value
+from cacheback_mlx.costs import cpu_name
 
 
 def main(argv=None) -> int:
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---|")
     for label, s in stats.items():
         print(f"| {label} | {s['draft passes/target pass']:.2f} | {s['cache hit rate']:.3f} | "
-              f"{s['tokens from cache']} | {s['tree']}{' (' + s['draft process'] + ')' if 'draft process' in s else ''} |")
+              f"{s['tokens from cache']} | "
+              f"{s['tree']}{' (' + s['draft process'] + ')' if 'draft process' in s else ''} |")
     if a.json:
         B.save_json(runs, summary, a.json, {"card_stats": stats})
     bad = B.mismatches(runs)

@@ -45,17 +45,18 @@ def pin(rank: int, threads: int) -> None:
 
 def export_default(path: Path) -> Path:
     """The embedded default model (llama) as an mlx-lm qwen2 folder with zero q/k/v biases."""
+    from cacheback_mlx.loader import LoadedModel, load, save_folder
+
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models import qwen2
-
-    from cacheback_mlx.loader import LoadedModel, load, save_folder
 
     src = load(dtype="float32")
     a = src.model.args
     args = qwen2.ModelArgs(model_type="qwen2", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
                            intermediate_size=a.intermediate_size, num_attention_heads=a.num_attention_heads,
-                           rms_norm_eps=a.rms_norm_eps, vocab_size=a.vocab_size, num_key_value_heads=a.num_key_value_heads,
+                           rms_norm_eps=a.rms_norm_eps, vocab_size=a.vocab_size,
+                           num_key_value_heads=a.num_key_value_heads,
                            max_position_embeddings=src.context_length, rope_theta=a.rope_theta,
                            rope_traditional=a.rope_traditional, rope_scaling=a.rope_scaling,
                            tie_word_embeddings=a.tie_word_embeddings)
@@ -68,7 +69,8 @@ def export_default(path: Path) -> Path:
     x = mx.array([[1, 2, 3, 4, 5]])
     if not mx.allclose(model(x), src.model(x), atol=1e-4):
         raise SystemExit("the qwen2 export of the default model does not compute the same logits")
-    return save_folder(LoadedModel(model, src.tokenizer, "SmolLM2-135M-qwen2", "", src.context_length, "float32", None), path)
+    return save_folder(LoadedModel(model, src.tokenizer, "SmolLM2-135M-qwen2", "", src.context_length, "float32", None),
+                       path)
 
 
 def worker(args) -> None:
@@ -175,7 +177,8 @@ def main() -> None:
 
     model = args.model or str(export_default(Path(tempfile.mkdtemp()) / "SmolLM2-135M-qwen2"))
     common = ["--worker", "--model", model, "--drafter", args.drafter, "--per-category", str(args.per_category),
-              *(["--limit", str(args.limit)] if args.limit else []), "--max-tokens", str(args.max_tokens), "--ranks", str(args.ranks),
+              *(["--limit", str(args.limit)] if args.limit else []), "--max-tokens", str(args.max_tokens),
+              "--ranks", str(args.ranks),
               "--threads-per-rank", str(args.threads_per_rank)]
     if args.draft_budget is not None:
         common += ["--draft-budget", str(args.draft_budget)]
@@ -191,12 +194,14 @@ def main() -> None:
     base = single["plain"]["tokens"] / single["plain"]["seconds"]
     print(f"{'setup':<28} {'tok/s':>7} {'vs single plain':>16} {'tok/pass':>9} {'ms/pass':>8}")
     for label, res in (("single plain", single["plain"]), ("single speculative", single["speculative"]),
-                       (f"{args.ranks}-rank plain", sharded["plain"]), (f"{args.ranks}-rank speculative", sharded["speculative"])):
+                       (f"{args.ranks}-rank plain", sharded["plain"]),
+                       (f"{args.ranks}-rank speculative", sharded["speculative"])):
         tps = res["tokens"] / res["seconds"]
         print(f"{label:<28} {tps:7.1f} {tps / base:15.2f}x {res['accepted'] / res['passes']:9.2f} "
               f"{1e3 * res['seconds'] / res['passes']:8.2f}")
     bad = [name for name in ("speculative",) if single[name]["ids"] != single["plain"]["ids"]] + \
-          [f"{args.ranks}-rank {name}" for name in ("plain", "speculative") if sharded[name]["ids"] != single["plain"]["ids"]]
+          [f"{args.ranks}-rank {name}" for name in ("plain", "speculative")
+           if sharded[name]["ids"] != single["plain"]["ids"]]
     print("lossless: " + ("all rows equal single-process plain decoding" if not bad else "DIFFERS: " + ", ".join(bad)))
 
     # the estimate for two Macs (see the module docstring)

@@ -97,7 +97,8 @@ class Vim:
         if any(self.cache_get(h) is not None for h in hashes):
             return
         self.indent_last = c["indent"]
-        body = {"id_slot": 0, "input_prefix": c["prefix"], "input_suffix": c["suffix"], "input_extra": self.ring.extra(),
+        body = {"id_slot": 0, "input_prefix": c["prefix"], "input_suffix": c["suffix"],
+                "input_extra": self.ring.extra(),
                 "prompt": c["middle"], "n_predict": 128, "stop": [], "n_indent": c["indent"], "top_k": 40,
                 "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
                 "t_max_prompt_ms": 500, "t_max_predict_ms": 1000 if prev else 250,
@@ -223,7 +224,8 @@ class VSCode(Vim):
             self.render(self.x, self.y, got)
             return
         ind = indent(self.get(self.y))
-        body = {"id_slot": 0, "input_prefix": c["prefix"], "input_suffix": c["suffix"], "input_extra": self.ring.extra(),
+        body = {"id_slot": 0, "input_prefix": c["prefix"], "input_suffix": c["suffix"],
+                "input_extra": self.ring.extra(),
                 "prompt": c["middle"], "n_predict": 128, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": False,
                 "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
                 "t_max_predict_ms": 500} | ({"n_indent": ind} if ind else {})

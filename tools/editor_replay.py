@@ -10,7 +10,7 @@ installed `click` package's core.py (`--file` to change). `--blocks` blocks of `
 lines, spread over the file (seeded), are cut out and re-typed line by line, top to bottom; every
 `--every` lines (from 0) the editor asks for a completion with the cursor at the start of the next
 line to type: prefix = the document above it, suffix = the file after the cut block. The blocks
-not typed yet are cut out too (`--later-blocks kept` leaves them in, as the runs before stop 39
+not typed yet are cut out too (`--later-blocks kept` leaves them in, as the earlier protocol
 did: a block's suffix or a chunk picked below it then showed a kept drafter some of the next
 block's lines before they were typed).
 
@@ -53,7 +53,6 @@ slots (`--slots`, serve's option) keep each file's cache.
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 import json
 import platform
@@ -98,8 +97,8 @@ def pick_blocks(lines: list[str], n: int, length: int, rng: random.Random) -> li
 def below(lines: list[str], starts: list[int], b: int, length: int, cut_later: bool = True) -> list[str]:
     """The file below block b (cut out at starts[b]). cut_later: the blocks not typed yet are cut
     out of it too, so no request shows the drafter a line before it is typed (a session writing
-    new code in several places of a file); else they stay (`--later-blocks kept`: the protocol of
-    the runs before stop 39, where a block's suffix or a chunk picked below it could hold the
+    new code in several places of a file); else they stay (`--later-blocks kept`: as in
+    the earlier protocol, where a block's suffix or a chunk picked below it could hold the
     next block's lines, seen by a kept drafter before they were typed)."""
     at = starts[b] + length
     if not cut_later:
@@ -267,11 +266,11 @@ def record_engine(engine, log: list[dict], tag: dict) -> None:
 
 def run_state(events, session, keep: bool, args, infill_extra: int | None = None, slots: int | None = None,
               batch: int | None = None) -> dict:
-    from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
 
-    native = "keep_drafter" in inspect.signature(create_app).parameters
-    opts = {"max_body": args.max_body} | ({} if keep or not native else {"keep_drafter": False})
+    from fastapi.testclient import TestClient
+
+    opts = {"max_body": args.max_body} | ({} if keep else {"keep_drafter": False})
     opts |= {"stable_prefix": False} if args.sliding_prefix else {}
     if infill_extra is not None:
         opts["infill_extra"] = None if infill_extra < 0 else infill_extra
@@ -280,24 +279,14 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
     if batch is not None:
         opts["batch"] = batch
     engine = session.engine
-
-    def fresh():  # emulates keep_drafter=False on a server without it
-        if hasattr(engine, "reset_drafter"):
-            engine.reset_drafter()
-        else:
-            engine.drafter.reset()
-            engine.history = []
-
     encode = lambda t: len(session.tokenizer.encode(t, add_special_tokens=False))
-    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "follow": [], "failures": [], "native": native, "log": []}
+    out = {"rows": [], "warm_n": 0, "warm_ms": 0.0, "follow": [], "failures": [], "log": []}
     tag: dict = {}
     if getattr(args, "record", None):
         record_engine(engine, out["log"], tag)
     with TestClient(create_app(session, **opts), raise_server_exceptions=False) as client:
 
         def post(kind: str, body: dict, where: dict | None = None) -> tuple[dict | None, float]:
-            if not keep and not native:
-                fresh()
             tag.clear()
             tag.update({"kind": kind} | {k: v for k, v in (where or {}).items() if k in ("block", "typed", "first")})
             t0 = time.perf_counter()
@@ -320,7 +309,8 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
                 out["warm_n"], out["warm_ms"] = out["warm_n"] + 1, out["warm_ms"] + ms
                 continue
             num = lambda p: field(resp, p) or 0
-            prompt_n, predicted, pred_ms = num("timings/prompt_n"), num("timings/predicted_n"), num("timings/predicted_ms")
+            prompt_n, predicted, pred_ms = (num("timings/prompt_n"), num("timings/predicted_n"),
+                                            num("timings/predicted_ms"))
             cached, total = field(resp, "timings/cache_n"), field(resp, "tokens_evaluated")
             if total is None:  # llama.cpp's tokens_cached is n_past: the prompt and the reply
                 total = prompt_n + cached if cached is not None else num("tokens_cached") - predicted
@@ -332,7 +322,8 @@ def run_state(events, session, keep: bool, args, infill_extra: int | None = None
             right = content.split("\n", 1)[0].rstrip() == where["truth"].rstrip() if where["truth"].strip() else None
             match = line_match(content.split("\n", 1)[0], where["truth"]) if where["truth"].strip() else None
             out["rows"].append({k: v for k, v in where.items() if k not in ("doc", "y", "truth")}
-                               | {"right": right, "match": match, "prompt": total, "prefilled": prompt_n, "cached": cached,
+                               | {"right": right, "match": match, "prompt": total, "prefilled": prompt_n,
+                                  "cached": cached,
                                   "reused": 100 * cached / total if total else 0.0, "ms": ms,
                                   "first_line": first_line, "predicted": predicted,
                                   "passes": num("timings/passes"), "chars": len(content)})
@@ -428,7 +419,8 @@ def header(args, path: Path, session) -> None:
     print("## Editor replay (llama.vim requests)\n")
     print("`" + " ".join([".venv/bin/python tools/editor_replay.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
     print(f"- machine: {cpu} ({platform.system()} {platform.machine()}), MLX {mx.__version__} on {mx.default_device()}")
-    print(f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; model: {session.loaded.name}; drafter: {args.drafter}")
+    print(f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; model: {session.loaded.name}; "
+          f"drafter: {args.drafter}")
     where = path.relative_to(path.parents[1]) if len(path.parents) > 1 else path
     if args.file is None:
         where = f"{where} (click {metadata.version('click')})"
@@ -448,17 +440,18 @@ def header(args, path: Path, session) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", type=Path, help="source file to edit (default: click's core.py)")
     ap.add_argument("--blocks", type=int, default=16,
                     help="default 16 (of 15 lines: 80 completions; the learning needs a session that long, "
-                         "docs/BENCHMARKS.md §8, stop 39)")
+                         "docs/BENCHMARKS.md §8)")
     ap.add_argument("--block-lines", type=int, default=15)
     ap.add_argument("--every", type=int, default=3, help="a completion request every K lines typed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--later-blocks", choices=["cut", "kept"], default="cut",
                     help="cut (default): the blocks not typed yet are cut out of the file too, so no request "
-                         "shows a line before it is typed; kept: they stay (the runs before stop 39)")
+                         "shows a line before it is typed; kept: they stay (the earlier protocol)")
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--draft-budget", type=int, default=None, help="draft tokens per pass (default: the engine's)")
@@ -472,7 +465,8 @@ def main(argv=None) -> None:
                     help="no speculative follow-ups (the protocol of the runs before 2026-11-25)")
     ap.add_argument("--max-body", type=int, default=64 << 20)
     ap.add_argument("--sliding-prefix", action="store_true",
-                    help="server option stable_prefix=False: the prefix is the last lines that fit (no kept start line)")
+                    help="server option stable_prefix=False: the prefix is the last lines that fit "
+                         "(no kept start line)")
     ap.add_argument("--slots", type=int_list, default=[None],
                     help="server option slots (serve --slots): sequences whose caches are kept at once "
                          "(default: serve's, 4); several, comma-separated: side by side")
@@ -499,7 +493,8 @@ def main(argv=None) -> None:
     events = plan(lines, f"{path.parent.name}/{path.name}", args)
     if args.flip:
         other = argparse.Namespace(**{**vars(args), "seed": args.seed + 1})
-        flip = plan(args.flip.read_text(encoding="utf-8").split("\n"), f"{args.flip.parent.name}/{args.flip.name}", other)
+        flip = plan(args.flip.read_text(encoding="utf-8").split("\n"), f"{args.flip.parent.name}/{args.flip.name}",
+                    other)
         events = interleave(events, flip, args.blocks)
     states = ["kept", "fresh"] if args.state == "both" else [args.state]
     results = {}
@@ -519,7 +514,8 @@ def main(argv=None) -> None:
                 results[label] = run_state(events, session, state == "kept", args, extra, slots, batch)
                 if args.record and len(results) == 1:
                     args.record.write_text(json.dumps({"command": shlex.join(sys.argv[1:]), "state": label,
-                                                       "model": session.loaded.name, "requests": results[label]["log"]}))
+                                                       "model": session.loaded.name,
+                                                       "requests": results[label]["log"]}))
                 session.engine.drafter.close()  # its last write lands before the folder goes
                 del session
 
@@ -537,18 +533,20 @@ def main(argv=None) -> None:
         for name, part in zip(("first", "middle", "last"), thirds(res["rows"])):
             summary.append([state, name, len(part), med([r["prompt"] for r in part]),
                             med([r["reused"] for r in part if not r["first"]]), med([r["ms"] for r in part]),
-                            med([r["first_line"] for r in part]), tpp(part), tpp_served(part), right_pct(part), match_pct(part)])
+                            med([r["first_line"] for r in part]), tpp(part), tpp_served(part), right_pct(part),
+                            match_pct(part)])
     print("### By third of the session\n")
     print("reused %: requests after a block's first; tok/pass: tokens predicted per verify pass (over the "
           "completions, and over them and the follow-ups sent after them)\n")
     table(cols, summary)
     for state, res in results.items():
-        how = "server option keep_drafter=False" if res["native"] else "drafter reset by this tool"
         fol = res["follow"]
         print(f"- {state}: {len(res['rows'])} completions (median first line "
-              f"{med([r['first_line'] for r in res['rows']]):.0f} ms), {res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
+              f"{med([r['first_line'] for r in res['rows']]):.0f} ms), "
+              f"{res['warm_n']} warm-ups in {res['warm_ms']:.0f} ms, "
               f"{len(fol)} follow-ups in {sum(f['ms'] for f in fol):.0f} ms ({tpp(fol):.2f} tok/pass), "
-              f"{len(res['failures'])} failed" + (f" (fresh: {how})" if state == "fresh" else ""))
+              f"{len(res['failures'])} failed"
+              + (" (fresh: server option keep_drafter=False)" if state == "fresh" else ""))
         for f in sorted(set(res["failures"]))[:5]:
             print(f"  - {f} (x{res['failures'].count(f)})")
     print("\n### Headline\n")
@@ -566,11 +564,13 @@ def main(argv=None) -> None:
     ok_all, gain_all = learning(tpp_served)
     check = lambda ok: "" if ok is None else (" ✅" if ok else " ❌")
     show = lambda v, fmt: "-" if v != v else format(v, fmt)  # nan: no request to measure
-    print(f"- median tokens reused after a block's first request: {show(reused, '.1f')}% (target >= 80%){check(reused >= 80 if reused == reused else None)}")
+    print(f"- median tokens reused after a block's first request: {show(reused, '.1f')}% (target >= 80%)"
+          f"{check(reused >= 80 if reused == reused else None)}")
     print(f"- learning across requests, tok/pass in the last third, kept vs fresh: {gain} (target >= +15%){check(ok)}")
     if any(res["follow"] for res in results.values()):
         print(f"  - over completions and their follow-ups: {gain_all}{check(ok_all)}")
-    print(f"- median time to the first completed line (estimate): {show(first_line, '.0f')} ms (target < 1000 ms){check(first_line < 1000 if first_line == first_line else None)}")
+    print(f"- median time to the first completed line (estimate): {show(first_line, '.0f')} ms (target < 1000 ms)"
+          f"{check(first_line < 1000 if first_line == first_line else None)}")
     print(f"- the hint's first line is the line typed next: {show(right_pct(head['rows']), '.0f')}% of replies; "
           f"it gets {show(match_pct(head['rows']), '.0f')}% of that line right from its start, on average")
 

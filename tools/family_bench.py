@@ -20,17 +20,17 @@ import argparse
 import time
 
 import cacheback_mlx  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
-from mlx.utils import tree_map_with_path
-from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text, qwen3_5
-
 from cacheback_mlx.costs import measure
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.replay import load_streams
 from cacheback_mlx.tree import DraftTree
+
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
+from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma3_text, qwen3_5
 
 
 def gemma3(hidden, layers, heads, vocab, window):
@@ -145,7 +145,8 @@ def main() -> None:
         for d, r in rows.items():
             tps = r["tokens"] / r["s"]
             mat = f"{r['accepted'] / r['passes']:.2f}" if r["passes"] else "-"
-            print(f"| {d} | {tps:.1f} | {tps / base:.2f}x | {tps / mlx:.2f}x | {mat} | {'yes' if r['exact'] else 'NO'} |")
+            print(f"| {d} | {tps:.1f} | {tps / base:.2f}x | {tps / mlx:.2f}x | {mat} | "
+                  f"{'yes' if r['exact'] else 'NO'} |")
         one = cost[1]
         print("\n| rows per pass | " + " | ".join(str(b) for b in cost) + " |\n|---|" + "---:|" * len(cost))
         print("| cost vs 1 row | " + " | ".join(f"{t / one:.2f}" for t in cost.values()) + " |")

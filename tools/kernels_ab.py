@@ -22,25 +22,26 @@ import subprocess
 import sys
 import time
 
-import click
-
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
+
+import click
 
 
 def passes(contexts, rows, repeats, prefill_n):
-    import mlx.core as mx
-    import numpy as np
-
     from cacheback_mlx import activations
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.loader import load
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
 
+    import mlx.core as mx
+    import numpy as np
+
     model = load().model
     cache = ModelCache(model)
     print(f"ms per pass (median of {repeats}); SwiGLU: mlx-lm's (off) or activations.py's (on)\n")
-    print("| cached | rows | off ms | on ms | ratio | same argmax | max logit diff |\n|---:|---:|---:|---:|---:|:---:|---:|")
+    print("| cached | rows | off ms | on ms | ratio | same argmax | max logit diff |\n"
+          "|---:|---:|---:|---:|---:|:---:|---:|")
     done = 0
     for c in contexts:
         prefill(model, cache, [(100 + i) % 5000 for i in range(done, c)])
@@ -61,7 +62,8 @@ def passes(contexts, rows, repeats, prefill_n):
             a, b = (statistics.median(times[k]) * 1e3 for k in (False, True))
             same = np.array_equal(logits[False].argmax(-1), logits[True].argmax(-1))
             diff = float(np.abs(logits[False] - logits[True]).max())
-            print(f"| {c} | {r} | {a:.1f} | {b:.1f} | {b / a:.2f} | {'yes' if same else 'NO'} | {diff:.1e} |", flush=True)
+            print(f"| {c} | {r} | {a:.1f} | {b:.1f} | {b / a:.2f} | {'yes' if same else 'NO'} | {diff:.1e} |",
+                  flush=True)
     times = {False: [], True: []}
     tokens = [(100 + i) % 5000 for i in range(prefill_n)]
     for i in range(5):
@@ -108,11 +110,14 @@ def processes(prefill_n, rounds):
             if out.returncode:
                 raise click.ClickException(out.stderr.strip().splitlines()[-1])
             got[(cache, silu)].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"prefill of {prefill_n} tokens, a new process each ({rounds} rounds; ms: median of 3 prefills in a process)\n")
-    print("| MLX buffer cache | SwiGLU | prefill ms, each round | median | peak RSS MB | page faults a prefill |\n|---|---|---|---:|---:|---:|")
+    print(f"prefill of {prefill_n} tokens, a new process each "
+          f"({rounds} rounds; ms: median of 3 prefills in a process)\n")
+    print("| MLX buffer cache | SwiGLU | prefill ms, each round | median | peak RSS MB | page faults a prefill |\n"
+          "|---|---|---|---:|---:|---:|")
     for (cache, silu), runs in got.items():
         ms = [r["ms"] for r in runs]
-        print(f"| {'32 MB (MLX default)' if cache == '32' else 'raised (malloc.py)'} | {'on' if silu == '1' else 'mlx-lm'} | "
+        print(f"| {'32 MB (MLX default)' if cache == '32' else 'raised (malloc.py)'} | "
+              f"{'on' if silu == '1' else 'mlx-lm'} | "
               f"{', '.join(f'{m:.0f}' for m in ms)} | {statistics.median(ms):.0f} | {max(r['rss_mb'] for r in runs)} | "
               f"{statistics.median(r['faults'] for r in runs):.0f} |")
 
@@ -122,7 +127,8 @@ def processes(prefill_n, rounds):
 @click.option("--rows", default="1,2,4,8,16,33,64", help="rows per pass")
 @click.option("--repeats", default=11, type=click.IntRange(1))
 @click.option("--prefill", "prefill_n", default=1050, type=click.IntRange(1), help="tokens to prefill")
-@click.option("--rounds", default=0, type=click.IntRange(0), help="prefills in separate processes instead (rounds of 4)")
+@click.option("--rounds", default=0, type=click.IntRange(0),
+              help="prefills in separate processes instead (rounds of 4)")
 def main(contexts, rows, repeats, prefill_n, rounds):
     if rounds:
         return processes(prefill_n, rounds)

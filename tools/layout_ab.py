@@ -19,9 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-import click
-
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
+
+import click
 
 LAYOUTS = ("as loaded", "[in, out]")
 
@@ -47,12 +47,12 @@ def use(layout: str) -> None:
 
 
 def passes(models, contexts, rows, repeats):
-    import mlx.core as mx
-    import numpy as np
-
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
+
+    import mlx.core as mx
+    import numpy as np
 
     caches = {k: ModelCache(m.model) for k, m in models.items()}
     print(f"ms per pass (median of {repeats}); same logits: bit for bit\n")
@@ -77,7 +77,8 @@ def passes(models, contexts, rows, repeats):
                     caches[k].trim(c)
             a, b = (statistics.median(times[k]) for k in LAYOUTS)
             same = np.array_equal(*logits.values())
-            print(f"| {c} | {r} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {'yes' if same else 'NO'} |", flush=True)
+            print(f"| {c} | {r} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {'yes' if same else 'NO'} |",
+                  flush=True)
 
 
 def read_record(record: Path) -> list[dict]:
@@ -127,7 +128,8 @@ def session(models, record: Path, requests: list[dict]):
     print(f"{len(rows[LAYOUTS[0]])} completions of {record.name}, each served in both layouts (same tokens)\n")
     print("| layout | median first line ms | median latency ms | total latency s |\n|---|---:|---:|---:|")
     for k, r in rows.items():
-        print(f"| {k} | {1e3 * statistics.median(x[0] for x in r):.0f} | {1e3 * statistics.median(x[1] for x in r):.0f} "
+        print(f"| {k} | {1e3 * statistics.median(x[0] for x in r):.0f} "
+              f"| {1e3 * statistics.median(x[1] for x in r):.0f} "
               f"| {sum(x[1] for x in r):.1f} |")
     ratio = [b[1] / a[1] for a, b in zip(*rows.values())]
     print(f"\nlatency [in, out] / as loaded, per completion: median {statistics.median(ratio):.3f}")

@@ -21,7 +21,8 @@ def row(label, make, groups, budget):
         r = replay_all(make, streams, budget=budget)
         cells.append(f"{r.mat:6.3f}")
     r = replay_all(make, [s for g in groups.values() for s in g], budget=budget)
-    print(f"| {label:<34} | {budget:>6} | {' | '.join(cells)} | {r.mat:6.3f} | {1e6 * r.draft_seconds / r.steps:7.0f} |")
+    print(f"| {label:<34} | {budget:>6} | {' | '.join(cells)} | {r.mat:6.3f} | "
+          f"{1e6 * r.draft_seconds / r.steps:7.0f} |")
 
 
 def main():

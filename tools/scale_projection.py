@@ -17,14 +17,14 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
-
 from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import measure
 from cacheback_mlx.engine import start_request
 from cacheback_mlx.replay import decode
+
+import numpy as np
 
 
 def project(session: Session, records: list[dict], label: str, cost) -> dict:
@@ -60,7 +60,8 @@ def cost_lines(cost) -> list[str]:
              "|---:|---:|" + "---:|" * (len(sizes) - 1)]
     for c in cost.contexts:
         one = cost.table[c][1]
-        lines.append(f"| {c} | {1e3 * one:.0f} ms | " + " | ".join(f"{cost.table[c][r] / one:.2f}" for r in sizes[1:]) + " |")
+        lines.append(f"| {c} | {1e3 * one:.0f} ms | "
+                     + " | ".join(f"{cost.table[c][r] / one:.2f}" for r in sizes[1:]) + " |")
     return lines
 
 
@@ -96,7 +97,8 @@ def main() -> None:
                 r = project(session, part, label, cost)
                 x = r["plain_seconds"] / r["seconds"]
                 per_row.setdefault(f"{col} {label}", []).append(x)
-                print(f"| {Path(folder).name} | {col} | {label} | {r['tokens'] / r['passes']:.2f} | {x:.2f}x |", flush=True)
+                print(f"| {Path(folder).name} | {col} | {label} | {r['tokens'] / r['passes']:.2f} | {x:.2f}x |",
+                      flush=True)
     for key, xs in per_row.items():
         print(f"{key}: mean {np.mean(xs):.2f}x, range {min(xs):.2f}-{max(xs):.2f} over {len(xs)} recordings")
 

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import cacheback_mlx  # noqa: F401  (OpenBLAS before mlx)
-from mlx_lm.generate import batch_generate
-
 from cacheback_mlx.loader import load
+
+from mlx_lm.generate import batch_generate
 
 TOPICS = """the ocean; honey bees; the printing press; volcanoes; a small bakery; electric cars; the moon landing;
 photosynthesis; a rainy city; the Roman empire; climate change; a lost dog; public libraries; jazz music;

@@ -90,7 +90,8 @@ def report(rows: list, out: str, block: int = 8) -> None:
     """Table and plot of the live rows, per block of requests: time ratios, so the speedup is
     tokens/s over plain decoding on the same prompts in the same minutes."""
     xs, fresh, used = [], [], []
-    print("| requests served | tokens | fresh SSD speedup | persistent SSD speedup | persistent / fresh | fresh MAT | persistent MAT |")
+    print("| requests served | tokens | fresh SSD speedup | persistent SSD speedup | persistent / fresh | fresh MAT "
+          "| persistent MAT |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for start in range(0, len(rows), block):
         part = rows[start : start + block]

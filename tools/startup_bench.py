@@ -56,7 +56,8 @@ def cost_files(cache: str) -> list[str]:
 
 
 def part_ttft() -> None:
-    print("## time to first token (README command, 64 tokens)\n\n| cache | first byte s | total s | 'measuring' printed |\n|---|---:|---:|---|")
+    print("## time to first token (README command, 64 tokens)\n\n"
+          "| cache | first byte s | total s | 'measuring' printed |\n|---|---:|---:|---|")
     for _ in range(3):
         with tempfile.TemporaryDirectory() as cache:
             for label in ("fresh", "warm"):
@@ -104,13 +105,15 @@ def part_first(seeds: list[int], requests: int, max_tokens: int) -> None:
                 rates[label].append(len(run.tokens) / run.seconds)
                 outs[label] = run.tokens
             assert all(o == outs["none"] for o in outs.values()), f"outputs differ on {p.id}"
-        print(f"seed {seed}:\n\n| request | " + " | ".join(arms) + " | auto prior / none |\n|---:|" + "---:|" * (len(arms) + 1))
+        print(f"seed {seed}:\n\n| request | " + " | ".join(arms) + " | auto prior / none |\n|---:|"
+              + "---:|" * (len(arms) + 1))
         for i in range(len(prompts)):
             print(f"| {i + 1} | " + " | ".join(f"{rates[k][i]:.1f}" for k in arms)
                   + f" | {rates['auto, prior'][i] / rates['none'][i]:.2f}x |")
         for k in ratios:
             ratios[k].append(sum(rates[k]) / sum(rates["none"]))
-        print(f"\nmean over requests: " + ", ".join(f"{k} {statistics.fmean(v):.1f}" for k, v in rates.items()) + "\n", flush=True)
+        print("\nmean over requests: " + ", ".join(f"{k} {statistics.fmean(v):.1f}" for k, v in rates.items()) + "\n",
+              flush=True)
     for k, v in ratios.items():
         print(f"{k} / none over seeds {seeds}: mean {statistics.fmean(v):.2f}x (range {min(v):.2f}-{max(v):.2f})")
 

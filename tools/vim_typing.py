@@ -55,8 +55,20 @@ from pathlib import Path
 
 from editor_clients import CLIENTS, Vim, indent
 from editor_mat import served
-from editor_replay import (Ring, below, default_file, field, first_line_ms, med, pick_blocks, record_engine, table, thirds,
-                           tpp, warm_body)
+from editor_replay import (
+    Ring,
+    below,
+    default_file,
+    field,
+    first_line_ms,
+    med,
+    pick_blocks,
+    record_engine,
+    table,
+    thirds,
+    tpp,
+    warm_body,
+)
 
 
 class Typist:
@@ -151,13 +163,15 @@ def session(lines: list[str], filename: str, args, post) -> dict:
 
 def serve(session_, keep: bool, record: list | None):
     """A poster on an in-process server, and the rows it logs."""
-    from fastapi.testclient import TestClient
     from cacheback_mlx.server import create_app
+
+    from fastapi.testclient import TestClient
 
     tag: dict = {}
     if record is not None:
         record_engine(session_.engine, record, tag)
-    client = TestClient(create_app(session_, **({} if keep else {"keep_drafter": False})), raise_server_exceptions=False)
+    client = TestClient(create_app(session_, **({} if keep else {"keep_drafter": False})),
+                        raise_server_exceptions=False)
     rows, sent = [], []
     encode = lambda text: len(session_.tokenizer.encode(text, add_special_tokens=False))
 
@@ -183,14 +197,15 @@ def serve(session_, keep: bool, record: list | None):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", type=Path, help="source file to edit (default: click's core.py)")
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--block-lines", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--later-blocks", choices=["cut", "kept"], default="cut",
                     help="cut (default): the blocks not typed yet are cut out of the file too; kept: they stay "
-                         "(the runs before stop 39)")
+                         "(the earlier protocol)")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="llama.vim")
     ap.add_argument("--cps", type=float, default=5.0, help="keys a second (default 5: ~60 words a minute)")
     ap.add_argument("--pause", type=float, default=4.0, help="seconds between blocks")
@@ -198,7 +213,8 @@ def main(argv=None) -> None:
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--state", choices=["kept", "both"], default="both",
                     help="both: the fresh drafter is then sent the kept run's requests")
-    ap.add_argument("--record", type=Path, default=None, help="the kept state's engine requests, for tools/editor_mat.py")
+    ap.add_argument("--record", type=Path, default=None,
+                    help="the kept state's engine requests, for tools/editor_mat.py")
     args = ap.parse_args(argv)
     if min(args.blocks, args.block_lines) < 1 or args.cps <= 0 or args.pause < 0:
         ap.error("--blocks and --block-lines must be >= 1, --cps > 0, --pause >= 0")
@@ -229,13 +245,15 @@ def main(argv=None) -> None:
                         post(kind, body)
             results[state] = {"rows": rows, "wall": time.perf_counter() - t0}
             if log is not None and state == "kept":
-                args.record.write_text(json.dumps({"tool": "tools/vim_typing.py", "command": shlex.join(sys.argv[1:]), "state": "kept",
+                args.record.write_text(json.dumps({"tool": "tools/vim_typing.py", "command": shlex.join(sys.argv[1:]),
+                                                   "state": "kept",
                                                    "model": sess.loaded.name, "requests": log}))
             sess.engine.drafter.close()
             del sess
 
     kinds = [r["kind"] for r in results["kept"]["rows"]]
-    print(f"- client: {args.client}; file: {path.name}, {args.blocks} blocks of {args.block_lines} lines (seed {args.seed}), "
+    print(f"- client: {args.client}; file: {path.name}, "
+          f"{args.blocks} blocks of {args.block_lines} lines (seed {args.seed}), "
           f"{args.cps:g} keys a second, {args.pause:g} s between blocks; drafter {args.drafter}")
     print(f"- typed: {stats['chars']} characters in {stats['keys']} keys; {stats['accepts']} hints accepted "
           f"({stats['accepted']} characters, {100 * stats['accepted'] / max(stats['chars'], 1):.1f}%)")
@@ -261,7 +279,8 @@ def main(argv=None) -> None:
     if "fresh" in last:
         for i, what in enumerate(("completions", "completions and their follow-ups")):
             k, f = last["kept"][i], last["fresh"][i]
-            print(f"- learning across requests, last third, {what}: {100 * (k / f - 1):+.1f}% ({k:.2f} vs {f:.2f} tok/pass)")
+            print(f"- learning across requests, last third, {what}: {100 * (k / f - 1):+.1f}% "
+                  f"({k:.2f} vs {f:.2f} tok/pass)")
 
 
 if __name__ == "__main__":

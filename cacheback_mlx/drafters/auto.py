@@ -26,8 +26,6 @@ import heapq
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
 from ..tree import DraftTree
 from .base import Drafter
 from .cacheback import CachebackDrafter

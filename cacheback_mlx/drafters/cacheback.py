@@ -11,9 +11,10 @@ Differences from the reference code, on purpose (MAT on the 64 recorded streams,
 - Followers are merged into a trie (no duplicate siblings), so the budget goes further.
 - "Dynamic first, then frozen" is applied to the whole tree, not per node: the dynamic tree is
   grown to exhaustion first (the CRT reserve applies here), and frozen followers fill only the
-  budget it leaves (again breadth-first from the root, merging into the dynamic nodes). Dynamic followers are far more precise than corpus followers, so
-  they get the budget first at every depth; per node, the frozen followers of the root would
-  otherwise crowd out the dynamic chains below it (MAT 2.54 -> 2.67 on the recorded streams).
+  budget it leaves (again breadth-first from the root, merging into the dynamic nodes). Dynamic
+  followers are far more precise than corpus followers, so they get the budget first at every
+  depth; per node, the frozen followers of the root would otherwise crowd out the dynamic chains
+  below it (MAT 2.54 -> 2.67 on the recorded streams).
 - Budgets smaller than TDL-1 (the engine's CPU budget is ~7 tokens) scale the reserve down in
   proportion, and the first level always keeps at least half the budget.
 Nodes are returned in BFS order (by depth; dynamic nodes before frozen ones at equal depth).

@@ -51,7 +51,8 @@ class CardDrafter(Drafter):
     name = "card"
 
     def __init__(self, draft=None, parallel: bool = True, paths: int = 4, top_k: int = 4, depth: int = 10,
-                 nodes: int = 40, min_score: float = 0.0, layers: int = 4, wait_ms: float = 0.0, threads: int | None = 1,
+                 nodes: int = 40, min_score: float = 0.0, layers: int = 4, wait_ms: float = 0.0,
+                 threads: int | None = 1,
                  device: str | None = None, target=None, dtype: str | None = None, fingerprint: str | None = None):
         if draft is None or draft == "":
             raise CachebackError("the card drafter needs a draft model: --drafter-arg draft=self:N or draft=MODEL")

@@ -233,7 +233,8 @@ class DraftRunner:
         tp = self.cache.tree_pass
         tp.set(mx.array(rel), mx.eye(len(need), dtype=mx.bool_), mx.array(tail) if t else None)
         try:
-            logits = self.model(mx.array([[self.tree.tokens[f] for f in need]], dtype=mx.int32), cache=self.cache.layers)
+            logits = self.model(mx.array([[self.tree.tokens[f] for f in need]], dtype=mx.int32),
+                                cache=self.cache.layers)
         finally:
             tp.clear()
         ids, probs = top_k(logits[0], self.tree.top_k)

@@ -108,7 +108,8 @@ class DraftProcess:
             self.info = payload
         except (EOFError, OSError):
             self.close()
-            raise CachebackError("the CARD draft process exited while starting (set CACHEBACK_MLX_DEBUG=1 to see why)") from None
+            raise CachebackError("the CARD draft process exited while starting "
+                                 "(set CACHEBACK_MLX_DEBUG=1 to see why)") from None
         except BaseException:  # a load error, Ctrl-C while waiting: no orphan
             self.close()
             raise

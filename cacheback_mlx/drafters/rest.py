@@ -73,7 +73,8 @@ def load_datastore(path: str | Path, fingerprint: str | None = None) -> tuple[Su
         rev = np.load(path / "reversed_tokens.npy", mmap_mode="r")
         sa = np.load(path / "suffix_array.npy", mmap_mode="r")
     except FileNotFoundError:
-        raise CachebackError(f"REST datastore not found: {path} (build one with `cacheback-mlx build-datastore`)") from None
+        raise CachebackError(f"REST datastore not found: {path} "
+                             "(build one with `cacheback-mlx build-datastore`)") from None
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise CachebackError(f"cannot read REST datastore {path} (corrupt?): {e}") from None
     if rev.dtype != np.int32 or sa.dtype != np.int32 or len(rev) != len(sa) or len(rev) != meta.get("tokens"):
@@ -102,7 +103,8 @@ def _shipped() -> tuple[SuffixIndex, str] | None:
         if tokens.dtype != np.int32 or tokens.ndim != 1:
             raise ValueError(f"tokens of type {tokens.dtype}, {tokens.ndim} dimensions")
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        log.warning("the shipped datastore %s is unreadable (%s: %s); drafting without it", SHIPPED, type(e).__name__, e)
+        log.warning("the shipped datastore %s is unreadable (%s: %s); drafting without it",
+                    SHIPPED, type(e).__name__, e)
         return None
     return SuffixIndex(tokens=tokens), fingerprint
 

@@ -36,7 +36,8 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
     if slots is not None:
         session.engine.set_slots(slots)
     ctx = Context(session, Generator(session, keep_drafter),
-                  InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix, infill_extra),
+                  InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix,
+                                infill_extra),
                   strict_infill)
 
     @asynccontextmanager

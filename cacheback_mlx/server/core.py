@@ -16,8 +16,8 @@ import asyncio
 import json
 import threading
 import time
-from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -105,8 +105,10 @@ class BodyGuard:
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > self.max_body):
             return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        if self.api_key and scope["path"] not in ("/health", "/") and headers.get("authorization") != f"Bearer {self.api_key}":
-            return await error(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")(scope, receive, send)
+        if (self.api_key and scope["path"] not in ("/health", "/")
+                and headers.get("authorization") != f"Bearer {self.api_key}"):
+            return await error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                               "authentication_error")(scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         body, more = b"", True
@@ -142,7 +144,8 @@ class Job:
     sampling: Sampling
     rules: CompletionRules | None = None
     t_max_predict_ms: float | None = None  # llama.cpp: once a new line is out, stop when generation has taken this long
-    context: list = field(default_factory=list)  # ids beside the prompt for the drafter: one list or several (engine.start_request)
+    context: list = field(default_factory=list)  # ids beside the prompt for the drafter: one list or several
+    # (engine.start_request)
     text: str = ""
     stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
     hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
@@ -300,7 +303,8 @@ class Generator:
                 if gone.is_set() or self.stopping.is_set() or await request.is_disconnected():
                     return  # gave up while waiting its turn (an editor's keystroke)
                 polite = self.session.engine.slots.n > 1 and yields < self.MAX_YIELDS
-                it = self.steps(job, offset, lambda: gone.is_set() or self.stopping.is_set() or (polite and self.waiting > 0))
+                it = self.steps(job, offset,
+                                lambda: gone.is_set() or self.stopping.is_set() or (polite and self.waiting > 0))
                 try:
                     while (piece := await self._next(request, it, gone)) is not None:
                         yield piece
@@ -343,7 +347,8 @@ class Generator:
             if job.timings and not await request.is_disconnected():
                 yield f"data: {json.dumps(event('', True))}\n\n"
         except CachebackError as e:
-            yield f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+            yield (f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}"
+                   "\n\n")
         except Exception as e:  # the response has started: report in the stream, then end it
             yield f"data: {json.dumps({'error': {'code': 500, 'message': str(e), 'type': 'server_error'}})}\n\n"
         if done_marker:

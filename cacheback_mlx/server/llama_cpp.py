@@ -1,8 +1,9 @@
 """llama.cpp's protocol: /health, /infill and /completion (llama.vim, llama.vscode, Continue, Tabby).
 
 Fields as llama.cpp reads them (tools/server/README.md): n_predict (-1: until EOS), n_indent,
-t_max_predict_ms (once a line is complete, stop when generation has taken that long), n_cmpl (several completions, answered
-as an array), response_fields (only those fields, nested ones flattened: "timings/prompt_n"),
+t_max_predict_ms (once a line is complete, stop when generation has taken that long),
+n_cmpl (several completions, answered as an array),
+response_fields (only those fields, nested ones flattened: "timings/prompt_n"),
 input_extra chunks ({text, filename}; other keys such as llama.vim's `time` are ignored).
 `id_slot` is ignored: a request runs in the slot (KV cache) that reuses most of its prompt
 (slots.py), reported back as `id_slot`. llama.vim pins FIM to slot 0 and its instruct prompts to
@@ -100,7 +101,8 @@ def router(ctx: Context) -> APIRouter:
     def props():
         """What llama.vscode reads (default_generation_settings.n_ctx) and llama.cpp's other keys."""
         return {"default_generation_settings": {"n_ctx": session.loaded.context_length, "model": ctx.model_id},
-                "total_slots": session.engine.slots.n, "model_path": session.loaded.source, "build_info": "cacheback-mlx",
+                "total_slots": session.engine.slots.n, "model_path": session.loaded.source,
+                "build_info": "cacheback-mlx",
                 "chat_template": getattr(session.tokenizer, "chat_template", None) or "",
                 "infill": "fim" if session.loaded.fim else "prefix-only"}
 

@@ -231,11 +231,13 @@ def router(ctx: Context) -> APIRouter:
         if not (req.model or req.name):
             return oerror(400, "model is required")
         _, _, modified = on_disk()
-        info = {"general.architecture": arch(), "general.basename": ctx.model_id, "general.parameter_count": parameters(),
+        info = {"general.architecture": arch(), "general.basename": ctx.model_id,
+                "general.parameter_count": parameters(),
                 f"{arch()}.context_length": loaded.context_length,
                 "tokenizer.chat_template": getattr(session.tokenizer, "chat_template", None) or ""}
         return {"license": "", "system": "", "modified_at": modified,
-                "modelfile": f"# Modelfile of cacheback-mlx\nFROM {source}\nPARAMETER num_ctx {loaded.context_length}\n",
+                "modelfile": f"# Modelfile of cacheback-mlx\nFROM {source}\n"
+                             f"PARAMETER num_ctx {loaded.context_length}\n",
                 "parameters": f"{'num_ctx':<30} {loaded.context_length}", "template": go_template(),
                 "details": details(), "model_info": info, "capabilities": ["completion", "insert"]}
 

@@ -51,7 +51,8 @@ class Message(Lenient):
     content: str | list[Part] | None = ""
 
     def plain(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [] if p.type == "text")
+        text = (self.content if isinstance(self.content, str)
+                else "".join(p.text for p in self.content or [] if p.type == "text"))
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 

@@ -1,0 +1,71 @@
+"""How big each verify pass is: the engine asks its planner, one of two kinds.
+
+- FixedPlanner: every pass drafts up to a fixed budget (`--fixed-budget`, sharded models); the
+  lead's extra rows come out of that budget.
+- CostPlanner: every pass takes as many drafts as pay for their rows by the pass cost
+  (budget.Sizer over costs.py's table or prior), at most a cap.
+
+The engine calls, per pass: draft_cap (how many drafts to ask the drafter for), plan (the drafts
+to send and the rows the pass runs as, padding included), and after the accept step record (what
+the pass cost and which drafts were accepted); prefilled hears each prefill chunk's time.
+"""
+
+from __future__ import annotations
+
+from .budget import Sizer
+from .tree import DraftTree
+from .verify import padded_size
+
+LEAD_TAIL = 48  # at most this many uncached prompt tokens go through the first pass (Engine._start)
+
+
+class FixedPlanner:
+    """Every pass drafts up to `budget` tokens, the lead's extra rows taken out of them."""
+
+    sizer = None
+
+    def __init__(self, budget: int, buckets: tuple[int, ...] | None = None):
+        self.budget, self.buckets = budget, buckets
+        self.lead_tail = 1  # a new turn's text is prefilled; its last token leads the first pass
+
+    def draft_cap(self, lead: int, cached: int, limit: int) -> int:
+        return min(self.budget - (lead - 1), limit)
+
+    def plan(self, tree: DraftTree, lead: int, cached: int) -> tuple[DraftTree, int]:
+        return tree, padded_size(lead + len(tree), self.buckets)
+
+    def record(self, rows: int, cached: int, seconds: float, tree: DraftTree, path: list[int],
+               accepted: list[int]) -> None:
+        pass
+
+    def prefilled(self, rows: int, cached: int, seconds: float) -> None:
+        pass
+
+
+class CostPlanner:
+    """Each pass takes the drafts that maximise expected tokens per second (Sizer), at most
+    `budget`; a short uncached prompt tail shares the first pass with them (its rows are priced
+    like the drafts'), except on recurrent models, which undo a pass not accepted whole."""
+
+    def __init__(self, sizer: Sizer, budget: int, buckets: tuple[int, ...] | None = None,
+                 recurrent: bool = False):
+        self.sizer, self.budget, self.buckets = sizer, budget, buckets
+        sizer.pad = not recurrent  # padded rows would run the recurrence
+        self.lead_tail = 1 if recurrent else LEAD_TAIL
+
+    def draft_cap(self, lead: int, cached: int, limit: int) -> int:
+        limit = min(self.budget, limit)
+        return min(limit, self.sizer.cap(limit, cached))
+
+    def plan(self, tree: DraftTree, lead: int, cached: int) -> tuple[DraftTree, int]:
+        tree = self.sizer.choose(tree, lead, cached)  # as many nodes as pay for their rows
+        rows = self.sizer.pass_rows(lead + len(tree), cached)  # padded where more rows cost less
+        return tree, padded_size(rows, self.buckets)
+
+    def record(self, rows: int, cached: int, seconds: float, tree: DraftTree, path: list[int],
+               accepted: list[int]) -> None:
+        self.sizer.timed(rows, cached, seconds)  # what a pass of this size really costs here
+        self.sizer.update(tree, path, accepted)
+
+    def prefilled(self, rows: int, cached: int, seconds: float) -> None:
+        self.sizer.prefilled(rows, cached, seconds)
