@@ -79,7 +79,9 @@ def llama_cpp(python: str, path: str, prompts: list[list[int]]) -> list[float]:
     import json
     import subprocess
 
-    r = subprocess.run([python, "-c", LLAMA_CPP, path, json.dumps(prompts)], capture_output=True, text=True, check=True)
+    r = subprocess.run([python, "-c", LLAMA_CPP, path, json.dumps(prompts)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-cpp-python failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
