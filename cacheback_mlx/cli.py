@@ -347,14 +347,13 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         out = R.save_recording(record_dir, records, {**meta, "fingerprint": session.fingerprint})
         click.echo(f"{len(records)} prompts, {sum(len(t['out']) for r in records for t in r['turns'])} tokens -> {out}")
         return
-    cost = session.verify_cost()
     params: dict = {}
     for key, value in parse_drafter_args(drafter_args).items():
         name, _, k = key.partition(".")
         params.setdefault(name, {})[k] = value
     for name in ("ssd", "auto"):  # start empty: the saved buffer may hold these answers
         params.setdefault(name, {}).setdefault("persist", False)
-    instances = {}
+    rows = {}  # every drafter is made (and a bad one refused) before the pass cost is measured
     for label in ["none"] + [n for n in drafters.split(",") if n and n != "none"]:
         name, *variant = label.split(":")  # e.g. cacheback:frozen=false:tdl=32, auto:budget=7
         args = {**params.get(name, {}), **parse_drafter_args(variant)}
@@ -362,8 +361,10 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         fixed = budget is not None and budget != "auto"
         if fixed and (not isinstance(budget, int) or budget < 0):
             raise CachebackError(f"{label}: budget must be a number of tokens or 'auto'")
-        instances[label] = B.Row(session.make_drafter(name, **args), None if fixed else Sizer(cost),
-                                 budget if fixed else draft_budget)
+        rows[label] = (session.make_drafter(name, **args), fixed, budget)
+    cost = session.verify_cost()
+    instances = {label: B.Row(drafter, None if fixed else Sizer(cost), budget if fixed else draft_budget)
+                 for label, (drafter, fixed, budget) in rows.items()}
     if recording is not None:
         meta.update({k: recording.get(k)
                      for k in ("max_tokens", "per_category", "humaneval_prompts", "categories", "seed")},
