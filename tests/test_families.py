@@ -360,3 +360,23 @@ def test_weights_stored_transposed_equal_mlx_lm_on_the_loaded_layout(family):
     truth = reference(model, PROMPT, N)
     out, _ = run(moved, RandomTreeDrafter(PROMPT, truth, seed=11), draft_budget=16)
     assert out == truth, name
+
+
+def test_a_prefill_stopped_between_chunks_resumes_exactly(family, monkeypatch):
+    """A prefill told to stop after its first chunks (a client gone, a server stopping) keeps
+    them in the caches; the same prompt then goes on from there, token for token mlx-lm's greedy
+    decoding (every family: sliding windows, shared KV and recurrent states included)."""
+    from cacheback_mlx.engine import Interrupted
+
+    name, model = family
+    prompt = [(11 * i + 4) % 97 + 1 for i in range(90)]
+    truth = reference(model, prompt, 12)
+    monkeypatch.setattr(Engine, "prefill_chunk", 16)
+    eng = Engine(model, eos_ids=[], drafter=OracleDrafter(prompt, truth), context_length=4096, draft_budget=6)
+    asked = []
+    with pytest.raises(Interrupted):
+        list(eng.generate(prompt, 12, stop=lambda: asked.append(1) or len(asked) >= 3))
+    assert 16 <= len(eng.cached) < len(prompt) - 16, name
+    out = [t for step in eng.generate(prompt, 12) for t in step]
+    assert out == truth, name
+    assert eng.stats.prefill_tokens < len(prompt) - 16, name  # it went on from the chunks kept
