@@ -197,7 +197,7 @@ class Session:
                    context: Sequence[int] = (), truncate: bool = False, stop=None) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, tokens) per step; the text pieces join into the full output.
         `context`: token ids beside the prompt the drafter may draft from, one list or several
-        (engine.start_request).
+        (learning.start_request).
         truncate: a prompt too long for the context loses its oldest tokens (default: an error).
         stop: asked between prefill chunks; True ends the prefill there (engine.Interrupted)."""
         if truncate:

@@ -31,6 +31,7 @@ from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
 from .kvcache import ModelCache
+from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
@@ -39,8 +40,6 @@ from .tree import DraftTree, common_prefix
 from .verify import PREFILL_CHUNK, cpu_prefill_chunk, prefill, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-LEARNED_MAX = 256  # context segments remembered as learned (start_request)
-REFRESH = 512  # tokens before an edit that the drafter learns again (editors: the lines above the cursor)
 
 
 def on_gpu() -> bool:
@@ -86,7 +85,7 @@ class Stats:
 
     @property
     def draft_us_per_pass(self) -> float:
-        """Drafter time per step (the issue's budget: well under 5% of a verify pass)."""
+        """Drafter time per step (the aim: well under 5% of a verify pass)."""
         return 1e6 * self.draft_s / self.passes if self.passes else 0.0
 
     def as_dict(self) -> dict:
@@ -132,40 +131,6 @@ def forced_picks(tree: DraftTree, continuation: Seq[int]) -> list[int]:
         on[i] = (p < 0 or on[p]) and int(tree.tokens[i]) == continuation[d - 1]
         picks.append(int(continuation[d]) if on[i] else -1)
     return picks
-
-
-def segments(context) -> list[list[int]]:
-    """Text beside a prompt as segments: a flat list of ids is one; a list of lists is several."""
-    if not context:
-        return []
-    if not hasattr(context[0], "__len__"):
-        return [[int(t) for t in context]]
-    return [[int(t) for t in seg] for seg in context if len(seg)]
-
-
-def start_request(drafter: Drafter, history: Seq[int], prompt: Seq[int], context=(),
-                  learned: set | None = None) -> list[int]:
-    """What the drafter learns as a request starts (the engine's rule; tools/editor_mat.py replays
-    it): `context`, text beside the prompt, one segment or several (an editor's other chunks, then
-    the code below the cursor): every segment but the last is learned once per drafter (`learned`
-    holds what it has), the last every time, so it is among the most recent; after an edited prompt
-    (not a continuation of `history`, the sequence it saw last) the REFRESH tokens before the edit
-    again, for the same reason; then the prompt's new tokens. Returns the new history (the prompt)."""
-    parts = segments(context)
-    for i, seg in enumerate(parts):
-        key = hash(tuple(seg))
-        if learned is not None and i < len(parts) - 1:
-            if key in learned:
-                continue
-            if len(learned) >= LEARNED_MAX:  # long gone from the drafter's tables: learn them again
-                learned.clear()
-            learned.add(key)
-        drafter.learn(seg)
-    seen = common_prefix(history, prompt)
-    if seen < len(history):
-        drafter.learn(prompt[max(0, seen - REFRESH):seen])
-    drafter.observe(prompt[seen:])
-    return list(prompt)
 
 
 def model_vocab_size(model) -> int:

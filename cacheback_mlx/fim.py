@@ -66,7 +66,7 @@ class InfillPrompt:
     truncated: bool  # some of the text sent is not in the prompt
     rules: "CompletionRules"
     context: list[list[int]]  # prefix-only: the chunks left out, then the suffix, for the drafter
-    # (engine.start_request)
+    # (learning.start_request)
 
 
 @dataclass

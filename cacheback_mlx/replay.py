@@ -124,13 +124,13 @@ def replay_all(make, streams: list[dict], budget: int = 96, fresh_per_stream: bo
 
 
 def replay_requests(make, requests: list[dict], budget: int = 7, fresh: bool = False) -> list[ReplayResult | None]:
-    """A server's requests as its engine runs them: each starts as Engine._start does (engine.start_request:
+    """A server's requests as its engine runs them: each starts as Engine._start does (learning.start_request:
     the context beside the prompt, the text before an edit again, the prompt's new tokens), then
     decodes its recorded output; a request with max_tokens 0 (an editor's warm-up) only starts
     (None in the result). Requests: dicts with prompt, context and out (ids) and max_tokens, and the
     engine slot it ran in (default 0): each slot keeps its own history and learned segments.
     fresh: a new drafter (`make()`) for every request, as the server's keep_drafter=False."""
-    from .engine import start_request
+    from .learning import start_request
 
     drafter, views, results = make(), {}, []
     for req in requests:

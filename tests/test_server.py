@@ -325,7 +325,7 @@ def test_prefix_only_extra_budget_keeps_the_oldest_chunks_that_fit(default_model
     """extra_budget (prefix-only layout): at most that many tokens of extra chunks, the oldest
     first, so new chunks entering the editor's ring leave the prompt's start (and its cached KV) as
     it was; none by default; None: every chunk that fits. FIM prompts keep llama.cpp's fill. The
-    chunks left out go to the drafter, each as a segment, before the suffix (engine.start_request)."""
+    chunks left out go to the drafter, each as a segment, before the suffix (learning.start_request)."""
     tok = default_model.tokenizer
     chunk = lambda i: {"text": "".join(f"def helper_{i}_{j}(x):\n    return x * {j}\n" for j in range(8)),
                        "filename": f"m{i}.py"}

@@ -8,7 +8,7 @@
 A benchmark, not a test. `editor_replay.py --record` logs every request its server's engine ran
 (completions, llama.vim's follow-ups and warm-ups) with the prompt, the text given to the drafter
 beside it, and the greedy tokens the model produced. This tool runs the drafters over that log as
-the engine would (replay.replay_requests: the same start-of-request rule, engine.start_request),
+the engine would (replay.replay_requests: the same start-of-request rule, learning.start_request),
 with a fixed draft budget: greedy verification is deterministic, so each pass accepts the longest
 draft path the recorded output agrees with, plus one token. It prints tokens per pass (MAT) over
 the completions by third of the session, for a drafter kept across requests and for a fresh one

@@ -240,7 +240,7 @@ def field(resp: dict, path: str):
 def record_engine(engine, log: list[dict], tag: dict) -> None:
     """Log every request the engine runs (prompt, context, max_tokens and the tokens it produced),
     tagged with tag's current value, for tools/editor_mat.py's offline replay of the drafters."""
-    from cacheback_mlx.engine import segments
+    from cacheback_mlx.learning import segments
     from cacheback_mlx.sampling import SamplingParams
 
     generate, prefill_only = engine.generate, engine.prefill_only

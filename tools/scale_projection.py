@@ -3,7 +3,7 @@
 A model with random weights accepts no drafts; `cacheback-mlx bench --forced DIR` runs it live at
 the acceptance of the recorded model. This does the same offline, for many shapes at the cost of
 one cost table each: every recorded question is replayed as the engine serves it (a fresh drafter
-per question, its turns in order: engine.start_request, then replay.decode), each pass priced by
+per question, its turns in order: learning.start_request, then replay.decode), each pass priced by
 the model's measured cost table and reported
 to the planner as a measured pass. Plain decoding is priced the same way (one row per token), so
 the ratio is the projected speedup over plain decoding on this machine; MAT is exact. The cost
@@ -21,7 +21,7 @@ from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import measure
-from cacheback_mlx.engine import start_request
+from cacheback_mlx.learning import start_request
 from cacheback_mlx.replay import decode
 
 import numpy as np

@@ -145,7 +145,7 @@ class Job:
     rules: CompletionRules | None = None
     t_max_predict_ms: float | None = None  # llama.cpp: once a new line is out, stop when generation has taken this long
     context: list = field(default_factory=list)  # ids beside the prompt for the drafter: one list or several
-    # (engine.start_request)
+    # (learning.start_request)
     text: str = ""
     stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
     hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
