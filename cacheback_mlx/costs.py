@@ -304,13 +304,16 @@ class CostFile:
         self.key = model_key
         self.path = cost_path(model_key)
         self.lock = FileLock(str(self.path.with_suffix(".lock")))
+        self.known = 0.0  # passes the file was last seen to hold learned from (inf: a measured table)
 
     def read(self, buckets=None) -> CostTable | PriorCost | None:
         """What the file holds, or None (absent or unreadable: the prior then)."""
         if not self.path.is_file():
             return None
         try:
-            return from_json(json.loads(self.path.read_text()), buckets)
+            cost = from_json(json.loads(self.path.read_text()), buckets)
+            self.known = cost.seen if isinstance(cost, PriorCost) else float("inf")
+            return cost
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("verify cost: %s is unreadable (%s); starting from the prior", self.path, e)
             return None
@@ -323,6 +326,7 @@ class CostFile:
             tmp.write_text(json.dumps({**cost.to_json(), "model": self.key, "device": str(mx.default_device()),
                                        "cpu": cpu_name(), "mlx": mx.__version__}, indent=1))
             os.replace(tmp, self.path)
+            self.known = cost.seen if isinstance(cost, PriorCost) else float("inf")
             return True
         except OSError as e:
             log.warning("verify cost: cannot save %s: %s", self.path, e)
@@ -353,6 +357,8 @@ class CostFile:
     def keep_learned(self, prior: PriorCost) -> bool:
         """Save what the engine's passes taught the prior, unless the file holds a measured table
         or a prior learned from as many passes (so processes that learn alike write it once)."""
+        if self.known * 4 > prior.seen:  # as far as this process knows, the file holds as much
+            return False
         with self.hold() as held:
             if not held:
                 return False
