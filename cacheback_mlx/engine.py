@@ -148,6 +148,18 @@ def model_vocab_size(model) -> int:
     return int(sizes[0])
 
 
+@dataclass(frozen=True)
+class PassEvent:
+    """One pass the engine ran, as its watchers hear it (Engine.watch)."""
+
+    kind: str  # "prefill" (one chunk of a prompt) or "verify" (lead + drafts)
+    rows: int  # rows the pass ran, padding included
+    cached: int  # tokens in the caches before it
+    seconds: float
+    lead: int = 0  # verify: accepted tokens not yet cached that lead it (the root last)
+    drafts: int = 0  # verify: draft tokens sent
+
+
 class Interrupted(Exception):
     """A prefill stopped between chunks because its caller asked (engine.generate's `stop`)."""
 
@@ -184,6 +196,17 @@ class Engine:
         self.vocab_size = model_vocab_size(model)
         self.slots = Slots(1 if peers is not None else slots, self.seq, slot_bytes)
         self.stats = Stats()
+        self.watchers: list = []  # called with each PassEvent (watch)
+
+    def watch(self, fn) -> "callable":
+        """Call fn(PassEvent) after every pass from now on (tools and tests that look at what the
+        engine runs); returns a function that stops it."""
+        self.watchers.append(fn)
+        return lambda: self.watchers.remove(fn)
+
+    def _ran(self, event: PassEvent) -> None:
+        for fn in self.watchers:
+            fn(event)
 
     def set_sizer(self, sizer: Sizer | None, draft_budget: int | None = None) -> None:
         """Choose each pass's draft size with `sizer` (None: a fixed budget), capped at draft_budget."""
@@ -282,18 +305,28 @@ class Engine:
             self.peers.trim(length, kept)
         return kept
 
+    def _prefilled(self, rows: int, cached: int, seconds: float) -> None:
+        self.planner.prefilled(rows, cached, seconds)  # a point of the pass cost's prior (costs.PriorCost)
+        self._ran(PassEvent("prefill", rows, cached, seconds))
+
+    def chunk_rule(self):
+        """Tokens a prefill chunk takes: a number, or a function of the cached tokens."""
+        return self.prefill_chunk or (PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk)
+
     def _prefill(self, tokens: list[int], stop=None) -> int:
-        chunk = self.prefill_chunk or (PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk)
-        if self.peers is None:  # each chunk's time is a point of the pass cost's prior (costs.PriorCost)
-            return prefill(self.model, self.seq.cache, tokens, chunk, timed=self.planner.prefilled, stop=stop)
+        chunk = self.chunk_rule()
+        if self.peers is None:
+            return prefill(self.model, self.seq.cache, tokens, chunk, timed=self._prefilled, stop=stop)
         i = 0
         while i < len(tokens):  # one announced pass per chunk
             if i and stop is not None and stop():
                 return i
             part = tokens[i : i + (chunk(self.seq.cache.length) if callable(chunk) else chunk)]
             i += len(part)
+            t0, cached = time.perf_counter(), self.seq.cache.length
             with self.peers.prefill(part):
                 prefill(self.model, self.seq.cache, part)
+            self._ran(PassEvent("prefill", len(part), cached, time.perf_counter() - t0))
         return len(tokens)
 
     def _verify(self, lead: list[int], tree: DraftTree, size: int) -> mx.array:
@@ -402,6 +435,7 @@ class Engine:
                     path, bonus = accept(tree, picks)
                     accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
                     plan.record(size, len(seq.cached), seconds, tree, path, accepted)
+                    self._ran(PassEvent("verify", size, len(seq.cached), seconds, len(lead), len(tree)))
                     # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
                     rows = list(range(len(lead))) + [len(lead) + i for i in path]
                     whole = len(path) == len(tree) and size == len(rows)

@@ -26,7 +26,7 @@ def segments(context) -> list[list[int]]:
 def start_request(drafter: Drafter, history: Seq[int], prompt: Seq[int], context=(),
                   learned: set | None = None) -> list[int]:
     """What the drafter learns as a request starts (the engine's rule; replay.replay_requests and
-    tools/editor_mat.py replay it): `context`, text beside the prompt, one segment or several (an
+    tools/editor/mat.py replay it): `context`, text beside the prompt, one segment or several (an
     editor's other chunks, then the code below the cursor): every segment but the last is learned
     once per drafter (`learned` holds what it has), the last every time, so it is among the most
     recent; after an edited prompt (not a continuation of `history`, the sequence it saw last) the

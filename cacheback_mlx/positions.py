@@ -34,7 +34,7 @@ class TreePass:
         self.rel: mx.array | None = None  # [T] int32: row position - cache offset
         self.in_pass: mx.array | None = None  # [T, T] bool: row i may see row j of this pass
         self.tail: mx.array | None = None  # [T, t] bool: row i may see the j-th of the last t cached
-        # slots (None: every cached slot); a draft tree kept in the cache (drafters/card_model.py)
+        # slots (None: every cached slot); a draft tree kept in the cache (draft_model/runner.py)
 
     def set(self, rel: mx.array, in_pass: mx.array, tail: mx.array | None = None) -> None:
         self.rel, self.in_pass, self.tail = rel, in_pass, tail

@@ -235,8 +235,7 @@ def test_the_engine_reports_every_pass_s_rows_and_time_to_the_sizer():
     sizer.timed = lambda rows, context, seconds: seen.append((rows, context, seconds)) or timed(rows, context, seconds)
     eng = Engine(model, eos_ids=[], drafter=OracleDrafter(PROMPT * 3, truth, 2), context_length=4096, sizer=sizer)
     sizes = []
-    verify = eng._verify
-    eng._verify = lambda lead, tree, size: sizes.append((size, len(eng.cached))) or verify(lead, tree, size)
+    eng.watch(lambda e: e.kind == "verify" and sizes.append((e.rows, e.cached)))
     assert [t for s in eng.generate(PROMPT * 3, 30) for t in s] == truth
     assert [(r, c) for r, c, _ in seen] == sizes and all(s > 0 for _, _, s in seen)
     assert sum(s for _, _, s in seen) == pytest.approx(eng.stats.verify_s)
@@ -250,8 +249,7 @@ def test_the_engine_pads_passes_and_stays_lossless_but_never_pads_recurrent_laye
         eng = Engine(model, eos_ids=[], drafter=OracleDrafter(PROMPT * 3, truth, 2), context_length=4096,
                      sizer=Sizer(table))
         sizes = []
-        verify = eng._verify
-        eng._verify = lambda lead, tree, size: sizes.append((len(lead) + len(tree), size)) or verify(lead, tree, size)
+        eng.watch(lambda e: e.kind == "verify" and sizes.append((e.lead + e.drafts, e.rows)))
         assert [t for s in eng.generate(PROMPT * 3, 30) for t in s] == truth, family
         if family == "qwen3_next":
             assert all(n == size for n, size in sizes)
@@ -523,12 +521,12 @@ def test_auto_sweep_refuses_a_missing_or_foreign_cost_file_in_one_line(tmp_path)
     import sys
     from pathlib import Path
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "auto_sweep.py"
+    root = Path(__file__).resolve().parents[1]
     foreign = tmp_path / "x.json"
     foreign.write_text('{"x": 1}')
     for args in (["--cost", str(tmp_path / "none.json")], ["--cost", str(foreign)], ["--truth", str(foreign)]):
-        r = subprocess.run([sys.executable, str(tool), "--no-sweep", *args],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "tools.auto_sweep", "--no-sweep", *args],
+                           capture_output=True, text=True, timeout=120, cwd=root)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error:")
 
@@ -543,7 +541,7 @@ def test_auto_sweep_replays_a_bench_run_s_own_streams(tmp_path):
     from cacheback_mlx import bench as B
     from cacheback_mlx.models import default_model
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "auto_sweep.py"
+    root = Path(__file__).resolve().parents[1]
     (p,) = B.load_prompts(["spec_bench"], B.DATA, 1, ["translation"], seed=3)
     reply = [1000 + i % 9 for i in range(90)]
     meta = {"model": default_model()["name"], "prompts": ["spec_bench"], "per_category": 1,
@@ -551,16 +549,16 @@ def test_auto_sweep_replays_a_bench_run_s_own_streams(tmp_path):
     runs = [{"prompt": p.id, "column": p.column, "drafter": "none", "tokens": reply, "turns": [90]}]
     run_json = tmp_path / "run.json"
     run_json.write_text(json.dumps({"meta": meta, "runs": runs}))
-    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(run_json),
+    r = subprocess.run([sys.executable, "-m", "tools.auto_sweep", "--bench-json", str(run_json),
                         "--budgets", "7", "--drafters", "pld"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| fresh | pld | 7 |")]
     assert len(rows) == 1 and float(rows[0][6]) > 3.0  # all MAT: the reply repeats a 9-token phrase
     bad = tmp_path / "bad.json"
     bad.write_text('{"meta": {}}')
-    r = subprocess.run([sys.executable, str(tool), "--bench-json", str(bad)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tools.auto_sweep", "--bench-json", str(bad)],
+                       capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("auto_sweep.py: error: --bench-json")
 
@@ -618,9 +616,7 @@ def test_a_short_uncached_tail_leads_the_first_pass_instead_of_a_prefill(family)
                  sizer=Sizer(SIZER.cost))
     list(eng.generate(first, 1))
     leads, prefilled = [], []
-    verify, prefill_ = eng._verify, eng._prefill
-    eng._verify = lambda lead, tree, size: leads.append(len(lead)) or verify(lead, tree, size)
-    eng._prefill = lambda tokens, stop=None: prefilled.append(len(tokens)) or prefill_(tokens, stop)
+    eng.watch(lambda e: (leads if e.kind == "verify" else prefilled).append(e.lead if e.kind == "verify" else e.rows))
     assert [t for s in eng.generate(second, 30) for t in s] == truth, family
     tail = len(second) - len(first)
     assert eng.stats.prefill_tokens == tail - 1

@@ -202,7 +202,8 @@ def test_the_loader_stores_weights_transposed_on_the_cpu_unless_turned_off(tmp_p
 def test_layout_ab_refuses_a_file_that_is_not_a_record_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"requests": [{"kind": "fim"}]}')
-    tool = Path(__file__).resolve().parents[1] / "tools" / "layout_ab.py"
-    out = subprocess.run([sys.executable, str(tool), "--record", str(bad)], capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "tools.ab.layout", "--record", str(bad)],
+                         capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"Error: {bad}: not a record"), out.stderr

@@ -125,7 +125,7 @@ def same_tree(a, b):
 def test_kept_tree_in_the_cache_grows_what_recomputing_the_tree_grows(family):
     """Frontier-only passes over a tree kept in the caches (ancestor slots via TreePass.tail),
     with corrections that keep a subtree, give the same tree as passing the whole tree each layer."""
-    from cacheback_mlx.drafters.card_model import DraftRunner
+    from cacheback_mlx.draft_model.runner import DraftRunner
 
     model = zoo.tiny_model(family)
     kept, redo = DraftRunner(model, 3, 3, 6, 30), DraftRunner(model, 3, 3, 6, 30, keep_tree=False)

@@ -102,11 +102,11 @@ def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_o
     for mode, (ids, truth) in plain_outputs.items():
         eng.reset()
         assert [t for step in eng.generate(ids[:-20], 4) for t in step]  # a first turn, then 20 new tokens
-        prefilled, leads, verify, prefill_ = [], [], eng._verify, eng._prefill
-        eng._prefill = lambda tokens, stop=None: prefilled.append(len(tokens)) or prefill_(tokens, stop)
-        eng._verify = lambda lead, tree, size: leads.append((len(lead), size)) or verify(lead, tree, size)
+        prefilled, leads = [], []
+        unwatch = eng.watch(lambda e: prefilled.append(e.rows) if e.kind == "prefill"
+                            else leads.append((e.lead, e.rows)))
         out = [t for step in eng.generate(ids, N) for t in step]
-        del eng._prefill, eng._verify
+        unwatch()
         assert out == truth, mode
         # every uncached token (~20: the first turn may have produced the first of them) went
         # through the first pass, none through a prefill of its own

@@ -1,4 +1,4 @@
-"""replay.replay_requests and tools/editor_mat.py: an editor session's drafting replayed offline."""
+"""replay.replay_requests and tools/editor/mat.py: an editor session's drafting replayed offline."""
 
 import json
 import random
@@ -9,7 +9,8 @@ from pathlib import Path
 from cacheback_mlx.drafters import make_drafter
 from cacheback_mlx.replay import replay_requests
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "editor_mat.py"
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, "-m", "tools.editor.mat"]
 
 
 def session(seed: int = 0) -> list[dict]:
@@ -43,8 +44,7 @@ def test_replay_requests_kept_drafter_learns_across_requests_and_warm_ups_only_s
 def test_editor_mat_prints_kept_fresh_and_none_and_refuses_a_foreign_file(tmp_path):
     record = tmp_path / "session.json"
     record.write_text(json.dumps({"command": "--blocks 1", "state": "kept", "requests": session()}))
-    r = subprocess.run([sys.executable, str(TOOL), str(record), "--budget", "7"], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([*TOOL, str(record), "--budget", "7"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]]
             for line in r.stdout.splitlines() if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
@@ -54,7 +54,7 @@ def test_editor_mat_prints_kept_fresh_and_none_and_refuses_a_foreign_file(tmp_pa
     assert "learning across requests, last third, completions:" in r.stdout
     bad = tmp_path / "bad.json"
     bad.write_text('{"meta": {}}')
-    r = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*TOOL, str(bad)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("editor_mat: ")
 
@@ -101,11 +101,8 @@ def test_replay_requests_keeps_each_slots_history_and_learned_chunks():
 def test_editor_replay_interleaves_two_files_by_turns():
     """--flip: one completion of each file in turn, each with the warm-ups before it and the
     follow-up after it; the second file's blocks numbered after the first's."""
-    import importlib.util
+    from tools.editor import replay as mod
 
-    spec = importlib.util.spec_from_file_location("editor_replay", TOOL.parent / "editor_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     ev = lambda kind, f, b, i: (kind, {"f": f, "i": i}, None if kind == "warm" else {"block": b, "i": i})
     a = [ev("warm", "a", 0, 0), ev("fim", "a", 1, 1), ev("fim", "a", 1, 2), ev("warm", "a", 0, 3), ev("fim", "a", 2, 4)]
     b = [ev("fim", "b", 1, 1), ev("warm", "b", 0, 2), ev("fim", "b", 1, 3), ev("fim", "b", 2, 4)]

@@ -49,7 +49,7 @@ class Scored(NoDrafter):
 
 def run(model, drafter, prompt=PROMPT, n=N, engine=None, **kw):
     eng = engine or Engine(model, eos_ids=[], drafter=drafter, context_length=4096, **kw)
-    eng.drafter = drafter
+    eng.set_drafter(drafter)
     return [t for step in eng.generate(prompt, n) for t in step], eng
 
 

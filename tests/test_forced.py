@@ -60,8 +60,7 @@ def test_forced_mat_equals_the_offline_replay(model, drafter):
     eng = Engine(model, eos_ids=[], drafter=make_drafter(drafter, **params), context_length=4096, draft_budget=7)
     total_tokens = total_passes = 0
     for s in streams():
-        eng.drafter = make_drafter(drafter, **params)
-        eng.reset()
+        eng.reset(make_drafter(drafter, **params))
         out = [t for step in eng.generate(s["prompt"], 1000, forced=s["out"]) for t in step]
         assert out == s["out"]
         offline = replay_requests(lambda: make_drafter(drafter, **params),

@@ -248,7 +248,7 @@ def slow_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("slow") / "slow.gguf"
     write_tiny_gguf(path, context=4096, fim=True, hidden=256, layers=4, seed=1)
     session = Session(str(path), "none")
-    session.engine.drafter = SlowDrafter()
+    session.engine.set_drafter(SlowDrafter())
     # this prompt runs ~900 greedy tokens before EOS: ~14 s at 15 ms a step
     session.long_prompt = "x = 1\n"
     server, thread, url = start(session)

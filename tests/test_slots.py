@@ -48,7 +48,7 @@ def test_interleaved_sequences_reuse_their_slot_and_stay_exact(tiny_model):
     a1, b1 = gen(eng, A), gen(eng, B)
     assert (a1, b1) == (gen(one, A), gen(one, B))
     a2, b2 = A + a1 + [4, 5], B + b1 + [6]
-    eng.drafter = RandomTreeDrafter(a2, plain(tiny_model, a2), seed=1)
+    eng.set_drafter(RandomTreeDrafter(a2, plain(tiny_model, a2), seed=1))
     out_a = gen(eng, a2)
     assert eng.stats.prefill_tokens == 2 and eng.slots.active == 0
     assert out_a == plain(tiny_model, a2) == gen(one, a2)

@@ -1,17 +1,11 @@
-"""tools/editor_clients.py's emulation of llama.vim's (a1c8e6e) and llama.vscode's (3938fb3) clients, and
-tools/vim_typing.py's typist, with a fake server: no model."""
+"""tools/editor/clients.py's emulation of llama.vim's (a1c8e6e) and llama.vscode's (3938fb3) clients, and
+tools/editor/typist.py's typist, with a fake server: no model."""
 
 import random
-import sys
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import editor_clients as ec  # noqa: E402
-import vim_typing as vt  # noqa: E402
-from editor_replay import Ring  # noqa: E402
-
-sys.path.remove(str(TOOLS))
+from tools.editor import clients as ec
+from tools.editor import typist as vt
+from tools.editor.replay import Ring
 
 
 class Server:
@@ -135,7 +129,7 @@ def _seen_before_typed(later_blocks: str) -> int:
     """Lines of a block that the replay's requests showed before the block was typed."""
     import argparse
 
-    import editor_replay as er
+    from tools.editor import replay as er
 
     # a file of unique lines, blocks close together: a block's suffix and chunks reach the next one
     lines = [f"line_{i} = {i}" for i in range(400)]

@@ -3,7 +3,7 @@ over-long prompts, invalid Unicode, abandoned requests and concurrent streams, a
 well-formed greedy requests run among them. Prints the status codes seen, any 5xx or hang, and
 whether every well-formed answer equals its solo run (sent alone first).
 
-    .venv/bin/python tools/abuse_run.py [--model M] [--rounds 3]
+    .venv/bin/python -m tools.abuse_run [--model M] [--rounds 3]
 """
 
 from __future__ import annotations

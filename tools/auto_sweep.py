@@ -15,7 +15,7 @@ auto's nodes were accepted against their scores. With --bench-json (a `cacheback
 run on the default model) it replays on that run's own greedy streams instead of the recorded ones:
 the live run's MAT, offline (the bench's rows serve their prompts in order, as "in order" does).
 
-    .venv/bin/python tools/auto_sweep.py [--budgets 7,15,63] [--cost FILE [--truth FILE --noise 0.08]] [--calibration]
+    .venv/bin/python -m tools.auto_sweep [--budgets 7,15,63] [--cost FILE [--truth FILE --noise 0.08]] [--calibration]
         [--bench-json FILE]
 """
 

@@ -9,20 +9,20 @@ Corpus, two parts:
 - the default model's own greedy output (tools/self_corpus.py), each file counted SELF_WEIGHT
   times so its pairs are not drowned by the code's:
   - tools/data/self_corpus_smollm2.jsonl.gz: answers to 640 template questions
-    (`tools/self_corpus.py OUT --prompts 480`: 480 questions, then 160 about its own answers;
+    (`python -m tools.self_corpus OUT --prompts 480`: 480 questions, then 160 about its own answers;
     ~0.1M tokens, 18 min on 2 cores): how the chat model phrases its answers;
   - tools/data/self_code_smollm2.jsonl.gz: raw completions of 640 standard-library function heads
-    (`tools/self_corpus.py OUT --code --prompts 640 --max-tokens 128`; ~80K tokens, 20 min): how
+    (`python -m tools.self_corpus OUT --code --prompts 640 --max-tokens 128`; ~80K tokens, 20 min): how
     it goes on from a `def` line and a docstring, without the chat template;
   - tools/data/self_qa_smollm2.jsonl.gz: answers to 480 factual and how-to questions, then a
-    follow-up turn in 160 of those chats (`tools/self_corpus.py OUT --qa --prompts 480 --seed 1`).
+    follow-up turn in 160 of those chats (`python -m tools.self_corpus OUT --qa --prompts 480 --seed 1`).
 Not the benchmark data in ../shared/data, which is the test set. Takes ~30 s on 2 cores.
 
 The datastore holds the self-corpora alone (each answer once, ~0.25M tokens, 0.2 MB compressed):
 `auto` retrieves from it as a REST source (drafters/rest.py, shipped_datastore). With the
 standard library added (3.4M tokens, ~30 MB) it drafted no better (docs/BENCHMARKS.md §9).
 
-    .venv/bin/python tools/build_default_table.py
+    .venv/bin/python -m tools.build_default_table
 """
 
 import sys

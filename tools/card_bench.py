@@ -2,8 +2,8 @@
 and an optional draft model, on one loaded model, interleaved per prompt (cacheback_mlx.bench).
 Every row's greedy tokens must equal `none`'s (the run fails otherwise).
 
-    .venv/bin/python tools/card_bench.py --self-layers 4,8,12 --per-category 1 --max-tokens 128
-    .venv/bin/python tools/card_bench.py --draft path/to/draft.gguf --self-layers 8
+    .venv/bin/python -m tools.card_bench --self-layers 4,8,12 --per-category 1 --max-tokens 128
+    .venv/bin/python -m tools.card_bench --draft path/to/draft.gguf --self-layers 8
 
 Prints the speed table (tok/s, ratios vs none and mlx-lm, MAT) and CARD's own figures per row
 (draft passes per target pass, cache hit rate, tokens accepted from the cache). Pass sizes are

@@ -1,6 +1,6 @@
 """Speculative decoding on a sharded model vs one process, side by side in one run.
 
-    python tools/dist_bench.py [--model FOLDER] [--mode pipeline|tensor] [--drafter cacheback]
+    python -m tools.dist_bench [--model FOLDER] [--mode pipeline|tensor] [--drafter cacheback]
                                [--per-category 1] [--max-tokens 64] [--threads-per-rank 1]
                                [--link-us 60]
 

@@ -7,7 +7,7 @@ and mlx-lm's own generate_step on the same weights, every output checked against
 floor) bound what a real drafter can do; then the cost of one verify pass over B rows relative to
 one row (B = 1..16).
 
-    .venv/bin/python tools/family_bench.py [--models gemma3-tiny,qwen3_5-mid] [--prompts 6] [--max-tokens 96]
+    .venv/bin/python -m tools.family_bench [--models gemma3-tiny,qwen3_5-mid] [--prompts 6] [--max-tokens 96]
 
 Random weights give no language: the streams are whatever the random model loops into, so MAT
 here says how the machinery behaves (chains on hybrids, windows on sliding layers), not what a

@@ -1,7 +1,7 @@
 """Prefill speed at long prompts: ours (the engine's chunked prefill, by chunk size) vs mlx-lm's
 generate_step on the same weights, side by side in one run.
 
-    .venv/bin/python tools/prefill_bench.py [--lengths 1024,4096,8000] [--chunks auto,128,256,512] [--model M]
+    .venv/bin/python -m tools.prefill_bench [--lengths 1024,4096,8000] [--chunks auto,128,256,512] [--model M]
         [--llama-bench PATH]
 
 Each length: a prompt of that many tokens (a Python file repeated, so the tokens are real text),

@@ -5,7 +5,7 @@ every drafter at CPU-sized and GPU-sized draft budgets, split into Spec-Bench an
 streams. Numbers are MAT (mean tokens per verify pass, bonus included); they do not depend on the
 machine, only on the drafters. Draft time per step is measured here (this CPU).
 
-    .venv/bin/python tools/replay_sweep.py
+    .venv/bin/python -m tools.replay_sweep
 """
 
 from cacheback_mlx.drafters import make_drafter

@@ -9,7 +9,7 @@ to the planner as a measured pass. Plain decoding is priced the same way (one ro
 the ratio is the projected speedup over plain decoding on this machine; MAT is exact. The cost
 table is measured here (at --contexts; it is also printed, relative to one row) and not kept.
 
-    .venv/bin/python tools/scale_projection.py --model random:llama-3.2-1b [REC_DIR ...]
+    .venv/bin/python -m tools.scale_projection --model random:llama-3.2-1b [REC_DIR ...]
         [--rows auto,auto:budget=7,cacheback] [--contexts 512,2048] [--max-tokens N]
 """
 

@@ -13,9 +13,9 @@ second turn asks. With --code, the prompts are instead the heads of functions of
 `def` line and its docstring), completed as raw text, without the chat template: how the model
 writes a function body when it continues code, as in an editor or a completion benchmark.
 
-    .venv/bin/python tools/self_corpus.py OUT.jsonl [--prompts 480] [--max-tokens 192] [--batch 32]
-    .venv/bin/python tools/self_corpus.py OUT.jsonl --code [--prompts 640] [--max-tokens 128]
-    .venv/bin/python tools/self_corpus.py OUT.jsonl --qa [--prompts 480]
+    .venv/bin/python -m tools.self_corpus OUT.jsonl [--prompts 480] [--max-tokens 192] [--batch 32]
+    .venv/bin/python -m tools.self_corpus OUT.jsonl --code [--prompts 640] [--max-tokens 128]
+    .venv/bin/python -m tools.self_corpus OUT.jsonl --qa [--prompts 480]
 
 Each line of OUT.jsonl: {"text": the answer, "prompt": ...}; the table builder reads "text".
 """
@@ -24,7 +24,6 @@ import argparse
 import ast
 import json
 import random
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -158,8 +157,7 @@ def function_heads(n: int, rng: random.Random, max_chars: int = 1200) -> list[st
     """n heads of documented standard-library functions: the def line(s) and the docstring,
     dedented, as a file would hold them (the table's own corpus, so nothing new is learned from
     the code itself, only how the model goes on from it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from build_default_table import stdlib_files
+    from .build_default_table import stdlib_files
 
     heads = []
     for path in stdlib_files():

@@ -4,13 +4,13 @@ Replays the 64 recorded greedy streams in order with ONE persistent SSD drafter 
 request goes into its buffer), against a fresh drafter per request, and plots the MAT of each
 block of 8 requests. MAT is the speedup bound: a pass's tokens over a plain step's one.
 
-    .venv/bin/python tools/ssd_curve.py docs/ssd_curve.png
+    .venv/bin/python -m tools.ssd_curve docs/ssd_curve.png
 
 `--live` measures the real speedup on the default model instead: the same prompts in the same
 order, each generated three times side by side (plain decoding, a fresh SSD drafter, the one SSD
 drafter that has served every earlier request), and plots tokens/s over plain decoding per block.
 
-    .venv/bin/python tools/ssd_curve.py docs/ssd_curve_live.png --live [MAX_TOKENS]
+    .venv/bin/python -m tools.ssd_curve docs/ssd_curve_live.png --live [MAX_TOKENS]
 """
 
 import sys

@@ -1,6 +1,6 @@
 """A fresh machine's first runs: no calibration pause, processes that share the cores.
 
-    .venv/bin/python tools/startup_bench.py [--parts ttft,processes,first] [--seeds 201,202,203]
+    .venv/bin/python -m tools.startup_bench [--parts ttft,processes,first] [--seeds 201,202,203]
 
 Every part runs in new cache folders (XDG_CACHE_HOME), so nothing is known of pass costs:
 - ttft: the README's generate command, time from launch to its first output byte and to its end,

@@ -40,6 +40,7 @@ MAX_COUNT = 32  # occurrences sampled per retrieval
 TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for small budgets)
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
 RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
+TABLE_SOURCES = {"dynamic": "dyn", "frozen": "frz"}  # CachebackDrafter.followers' tables -> sources
 GAP = -1  # separates learned text from the history in the own-history index (never a token)
 # (previous token, token) pairs share this many scorer weights at most (a tuple of ints hashes the
 # same in every process, so kept weights keep their meaning)
@@ -226,26 +227,23 @@ class AutoDrafter(Drafter):
             if len(taken) >= OWN_CONTS:
                 return
 
-    def _retrieved(self, trie: _Trie, history: Sequence[int], index, source: str) -> None:
-        if index is None:
-            return
-        n, lo, hi = index.longest_match(history, 16)
+    def _retrieved(self, trie: _Trie, history: Sequence[int], retriever: SsdDrafter | RestDrafter,
+                   source: str) -> None:
+        """The continuations `retriever` (the SSD buffer or a REST datastore) holds after the
+        history, merged into the trie (identical ones once, weighted by their count)."""
+        n, conts = retriever.continuations(history, 16, self._length, MAX_COUNT)
         if not n:
             return
         grouped: dict[tuple, int] = {}
-        for cont in index.continuations(lo, hi, self._length, MAX_COUNT):
+        for cont in conts:
             grouped[cont] = grouped.get(cont, 0) + 1
         for cont, w in grouped.items():
             trie.add(-1, cont, source, n, w)
 
     def _table_followers(self, token: int) -> list[tuple[str, list]]:
-        out = []
-        t = self.tables
-        if t.use_dynamic:
-            out.append(("dyn", t.dynamic.get((token,))[: self._followers]))
-        if t.frozen is not None:
-            out.append(("frz", t.frozen.get((token,))[: self._followers]))
-        return out
+        """The followers of `token` in Cacheback's tables, labelled by source (dyn, frz)."""
+        return [(TABLE_SOURCES[table], followers)
+                for table, followers in self.tables.followers((token,), self._followers)]
 
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         self._last = None
@@ -257,11 +255,9 @@ class AutoDrafter(Drafter):
         self._followers = min(TABLE_FOLLOWERS, max(4, budget // 4))
         self._own(trie, history)
         if self.ssd is not None:
-            with self.ssd._lock:
-                index = self.ssd.index
-            self._retrieved(trie, history, index, "ssd")
+            self._retrieved(trie, history, self.ssd, "ssd")
         if self.rest is not None:
-            self._retrieved(trie, history, self.rest.index, "rest")
+            self._retrieved(trie, history, self.rest, "rest")
         self._last = (trie.tokens, trie.parents, trie.features)
         return self._best_first(trie, history[-1], budget, max_branching == 1)
 

@@ -1,4 +1,9 @@
-"""The drafter interface. Drafters see token ids only: they know nothing about models."""
+"""The drafter interface. Drafters see token ids only: no drafter module imports the engine or a
+model (kvcache, positions, verify, engine, lm, loader).
+
+The one exception is CARD, whose drafter runs a small draft model: that model lives in its own
+package, cacheback_mlx/draft_model/ (the draft model, with the engine's caches and tree passes, and
+the process it runs in), and drafters/card.py is the only drafter that reaches it."""
 
 from __future__ import annotations
 

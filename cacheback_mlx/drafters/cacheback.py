@@ -102,6 +102,19 @@ class CachebackDrafter(Drafter):
     def _frozen_followers(self, leader: tuple) -> list:
         return self.frozen.get(leader)[: self.fc]
 
+    def followers(self, leader: tuple, limit: int) -> list[tuple[str, list]]:
+        """The followers of `leader` (LL tokens) in each table this drafter uses, as
+        ("dynamic", followers) then ("frozen", followers): at most `limit` per table, in each
+        table's order (dynamic: most recently inserted first; frozen: most frequent first). A
+        table not in use is left out; a leader a table lacks gives it an empty list. Looking a
+        leader up refreshes it in the dynamic table (LruTable.get)."""
+        out: list[tuple[str, list]] = []
+        if self.use_dynamic:
+            out.append(("dynamic", self.dynamic.get(leader)[:limit]))
+        if self.frozen is not None:
+            out.append(("frozen", self.frozen.get(leader)[:limit]))
+        return out
+
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         budget = min(budget, self.tdl - 1)  # TDL counts the uncached root token too
         if budget <= 0 or len(history) < self.ll:

@@ -6,11 +6,13 @@ each step the target queries the tree and sends back what it accepted (a correct
     --drafter card --drafter-arg draft=MODEL           any model the loader takes, same tokenizer
     --drafter-arg parallel=false                       sequential: draft, then verify (in-process)
 
-Parallel mode (default): the draft model runs in its own process (card_worker), growing the tree
-layer by layer (card_model.DraftRunner) as long as it has room; propose() only reads what the
-process has sent (it never waits longer than `wait_ms`), re-rooted on the tokens accepted since
-(card_tree.TokenTree.advance), so a draft that ran ahead of the target is still used. Sequential
-mode grows the same tree in-process, up to `layers` layers per step, before returning it.
+Parallel mode (default): the draft model runs in its own process (draft_model/worker.py), growing
+the tree layer by layer (draft_model.runner.DraftRunner) as long as it has room; propose() only
+reads what the process has sent (it never waits longer than `wait_ms`), re-rooted on the tokens
+accepted since (card_tree.TokenTree.advance), so a draft that ran ahead of the target is still
+used. Sequential mode grows the same tree in-process, up to `layers` layers per step, before
+returning it. The draft model is the package cacheback_mlx/draft_model/ (the one place a drafter's
+work touches a model); this module imports it lazily, when a CardDrafter is made.
 
 Proposals carry scores (cumulative draft probabilities), so the engine's per-pass budget
 (budget.Sizer) verifies as many of the best nodes as pay for their rows.
@@ -59,7 +61,7 @@ class CardDrafter(Drafter):
         if isinstance(draft, str) and draft == "self":
             raise CachebackError("draft=self needs a layer count: draft=self:N")
         if isinstance(draft, str):
-            from .card_model import parse_self
+            from ..draft_model.runner import parse_self
 
             parse_self(draft)  # a malformed self:N fails here, before a process starts
         if not isinstance(parallel, bool):
@@ -79,7 +81,7 @@ class CardDrafter(Drafter):
         self.dead: str | None = None  # why the draft process stopped (parallel mode)
         self._reset_counters()
         if parallel:
-            from .card_worker import DraftProcess
+            from ..draft_model.worker import DraftProcess
 
             if device not in (None, "cpu", "gpu"):
                 raise CachebackError(f"device must be cpu or gpu (got {device!r})")
@@ -91,7 +93,7 @@ class CardDrafter(Drafter):
             self.chain = bool(self.proc.info.get("chain"))
             _open.add(self)
         else:
-            from .card_model import DraftRunner, load_draft
+            from ..draft_model.runner import DraftRunner, load_draft
 
             self.runner = DraftRunner(load_draft(draft, target, dtype, fingerprint), **self.tree_args)
             self.chain = self.runner.chain

@@ -10,7 +10,7 @@ only the subtree below the accepted path, re-rooted and re-scored, and growth co
 (cache correction). An accepted path that leaves the tree empties it (a miss): growth restarts
 from the new root.
 
-Pure Python/NumPy, no model: the draft process (card_worker) and the sequential drafter share it.
+Pure Python/NumPy, no model: the draft process (draft_model/worker.py) and the sequential drafter share it.
 """
 
 from __future__ import annotations

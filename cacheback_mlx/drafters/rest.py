@@ -140,12 +140,19 @@ class RestDrafter(Drafter):
         self.max_n, self.length, self.top_c, self.max_count = max_n, length, top_c, max_count
         self.retrieval_s, self.retrievals = 0.0, 0
 
+    def continuations(self, history: Sequence[int], max_n: int, length: int,
+                      max_count: int) -> tuple[int, list[tuple[int, ...]]]:
+        """What the datastore holds after the end of `history`: (n, continuations), n the longest
+        context (at most `max_n` tokens) found in it, and up to `max_count` of its occurrences'
+        continuations (`length` tokens at most, evenly sampled); (0, []) when nothing matches."""
+        n, lo, hi = self.index.longest_match(history, max_n)
+        return (n, self.index.continuations(lo, hi, length, max_count)) if n else (0, [])
+
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         t0 = time.perf_counter()
-        n, lo, hi = self.index.longest_match(history, self.max_n)
+        n, conts = self.continuations(history, self.max_n, self.length, self.max_count)
         tree = DraftTree.empty()
         if n:
-            conts = self.index.continuations(lo, hi, self.length, self.max_count)
             tree = trie_tree(conts, min(self.top_c, budget), chain=max_branching == 1)
         self.retrieval_s += time.perf_counter() - t0
         self.retrievals += 1

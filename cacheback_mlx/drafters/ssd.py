@@ -107,15 +107,22 @@ class SsdDrafter(Drafter):
         self._request = []
 
     # -- drafting ------------------------------------------------------------------------
-    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
+    def continuations(self, history: Sequence[int], max_n: int, length: int,
+                      max_count: int) -> tuple[int, list[tuple[int, ...]]]:
+        """What the shared buffer holds after the end of `history`: (n, continuations), n the
+        longest context (at most `max_n` tokens) found in the last finished index, and up to
+        `max_count` of its occurrences' continuations (`length` tokens at most, evenly sampled);
+        (0, []) when nothing matches or no index is built yet. Never waits for a rebuild, and
+        does not search the request in progress (it is not in the buffer yet)."""
         with self._lock:
             index = self.index
-        conts: list[tuple[int, ...]] = []
-        best_n = 0
-        if index is not None:
-            best_n, lo, hi = index.longest_match(history, self.max_n)
-            if best_n:
-                conts = index.continuations(lo, hi, self.length, self.max_count)
+        if index is None:
+            return 0, []
+        n, lo, hi = index.longest_match(history, max_n)
+        return (n, index.continuations(lo, hi, length, max_count)) if n else (0, [])
+
+    def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
+        _, conts = self.continuations(history, self.max_n, self.length, self.max_count)
         own = self._own_matches(history, 1)
         conts = own * 4 + conts  # the request in progress is the best predictor of itself
         if not conts:

@@ -1,7 +1,7 @@
 """CARD's draft process: the draft model grows its token tree while the target verifies.
 
 MLX is not safe to drive from two threads of one process, so the draft model runs in a process
-of its own: `python -m cacheback_mlx.drafters.card_worker FD`, started with subprocess (not
+of its own: `python -m cacheback_mlx.draft_model.worker FD`, started with subprocess (not
 multiprocessing: its 'spawn' re-imports the user's main script, and 'fork' copies MLX's and
 OpenBLAS's threads). The two ends talk over a socketpair wrapped in multiprocessing's Connection:
 
@@ -37,7 +37,7 @@ READY_TIMEOUT = 600.0  # seconds to load the draft model (a first download can b
 def _serve(conn: Connection, spec: dict) -> None:
     import mlx.core as mx
 
-    from .card_model import DraftRunner, load_draft
+    from .runner import DraftRunner, load_draft
 
     if spec.get("device"):
         mx.set_default_device(mx.cpu if spec["device"] == "cpu" else mx.gpu)
@@ -92,7 +92,7 @@ class DraftProcess:
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         debug = bool(os.environ.get("CACHEBACK_MLX_DEBUG"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cacheback_mlx.drafters.card_worker", str(theirs.fileno())],
+            [sys.executable, "-m", "cacheback_mlx.draft_model.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None if debug else subprocess.DEVNULL)
         theirs.close()

@@ -1,6 +1,6 @@
 """One verify pass with attention.py's CPU attention on and off, side by side in one process.
 
-    .venv/bin/python tools/attention_ab.py [--model M] [--contexts 256,1024,3000] [--rows 1,2,4,8,16]
+    .venv/bin/python -m tools.ab.attention [--model M] [--contexts 256,1024,3000] [--rows 1,2,4,8,16]
 
 Times a chain pass of r rows after c cached tokens (the fastest of --repeats rounds, on and off
 interleaved so a busy spell hits both alike) and checks that both give the same tokens.

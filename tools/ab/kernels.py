@@ -1,7 +1,7 @@
 """The engine's SwiGLU (activations.py) and MLX's buffer cache (malloc.py), each on and off.
 
-    .venv/bin/python tools/kernels_ab.py [--contexts 256,1050] [--rows 1,2,4,8,16,33,64] [--repeats 11]
-    .venv/bin/python tools/kernels_ab.py --prefill 1050 --rounds 3     # separate processes
+    .venv/bin/python -m tools.ab.kernels [--contexts 256,1050] [--rows 1,2,4,8,16,33,64] [--repeats 11]
+    .venv/bin/python -m tools.ab.kernels --prefill 1050 --rounds 3     # separate processes
 
 Passes (the default): one process, the default model, a chain pass of r rows after c cached
 tokens with the SwiGLU of activations.py and with mlx-lm's, interleaved (the median of --repeats

@@ -1,16 +1,16 @@
 """Replay typing key by key against the completion server, with llama.vim's own timing and cache.
 
-    .venv/bin/python tools/vim_typing.py                                   # 4 blocks of 8 lines
-    .venv/bin/python tools/vim_typing.py --blocks 1 --block-lines 2 --state kept   # smoke test
-    .venv/bin/python tools/vim_typing.py --client llama.vscode                     # llama.vscode's pattern
+    .venv/bin/python -m tools.editor.typist                                   # 4 blocks of 8 lines
+    .venv/bin/python -m tools.editor.typist --blocks 1 --block-lines 2 --state kept   # smoke test
+    .venv/bin/python -m tools.editor.typist --client llama.vscode                     # llama.vscode's pattern
 
-A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. tools/editor_replay.py
+A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. tools/editor/replay.py
 sends a completion every few lines; llama.vim (ggml-org/llama.vim a1c8e6e, autoload/llama.vim)
 asks at every key, and this tool emulates its client on a simulated clock. The user re-types blocks
 cut out of a file no shipped table comes from (click's core.py by default; the blocks not typed yet
-are cut out too, unless `--later-blocks kept`: see editor_replay.below), `--cps` keys a second:
+are cut out too, unless `--later-blocks kept`: see replay.below), `--cps` keys a second:
 a line starts with its indentation at once (Enter with autoindent), then one key per character.
-What llama.vim does at each key (CursorMovedI), emulated from its source (editor_clients.Vim):
+What llama.vim does at each key (CursorMovedI), emulated from its source (clients.Vim):
 - s:on_move: the hint is hidden, then s:fim_try_hint looks the cursor's context up in the
   client's completion cache (250 entries, LRU), or a completion cached up to 128 characters back
   whose start is what was typed since; a hint found is rendered (s:fim_render's rules) and a
@@ -30,7 +30,7 @@ typing no chunk moves in, as llama.vim waits for 3 s without a move. Not modelle
 ring chunks similar to the cursor's surroundings, chunks picked on yank, save and buffer switches,
 typing mistakes and pauses inside a block, byte-wise (not character-wise) string slicing in Vim.
 
-`--client llama.vscode` emulates llama.vscode's provider instead (editor_clients.VSCode: no follow-ups,
+`--client llama.vscode` emulates llama.vscode's provider instead (clients.VSCode: no follow-ups,
 a 150 ms poll, answers from its cache whenever a reply cached for fewer typed characters starts
 with the rest, n_cmpl 3 and t_max_predict_ms 500).
 
@@ -39,7 +39,7 @@ measured wall time on the simulated clock while the keys go on. The kept state (
 default: the drafter keeps what it learned) runs live; the fresh state (a fresh drafter every
 request, KV prefix still reused) is sent the SAME request bodies in the same order, so tokens per
 pass compare drafting on identical requests. `--record FILE` writes the kept state's engine
-requests for tools/editor_mat.py (exact offline tokens per pass).
+requests for tools/editor/mat.py (exact offline tokens per pass).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from editor_clients import CLIENTS, Vim, indent
-from editor_mat import served
-from editor_replay import (
+from .clients import CLIENTS, Vim, indent
+from .mat import served
+from .replay import (
     Ring,
     below,
     default_file,
@@ -214,7 +214,7 @@ def main(argv=None) -> None:
     ap.add_argument("--state", choices=["kept", "both"], default="both",
                     help="both: the fresh drafter is then sent the kept run's requests")
     ap.add_argument("--record", type=Path, default=None,
-                    help="the kept state's engine requests, for tools/editor_mat.py")
+                    help="the kept state's engine requests, for tools/editor/mat.py")
     args = ap.parse_args(argv)
     if min(args.blocks, args.block_lines) < 1 or args.cps <= 0 or args.pause < 0:
         ap.error("--blocks and --block-lines must be >= 1, --cps > 0, --pause >= 0")
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
     except (OSError, UnicodeDecodeError) as e:
         sys.exit(f"vim_typing: cannot read {path}: {e}")
     print(f"## {args.client}, key by key\n")
-    print("`" + " ".join([".venv/bin/python tools/vim_typing.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
+    print("`" + " ".join([".venv/bin/python -m tools.editor.typist", shlex.join(sys.argv[1:])]).strip() + "`\n")
     results, sent, log = {}, None, [] if args.record else None
     with tempfile.TemporaryDirectory(prefix="typing-") as root:
         for state in ["kept", "fresh"][:2 if args.state == "both" else 1]:
@@ -245,8 +245,8 @@ def main(argv=None) -> None:
                         post(kind, body)
             results[state] = {"rows": rows, "wall": time.perf_counter() - t0}
             if log is not None and state == "kept":
-                args.record.write_text(json.dumps({"tool": "tools/vim_typing.py", "command": shlex.join(sys.argv[1:]),
-                                                   "state": "kept",
+                args.record.write_text(json.dumps({"tool": ".venv/bin/python -m tools.editor.typist",
+                                                   "command": shlex.join(sys.argv[1:]), "state": "kept",
                                                    "model": sess.loaded.name, "requests": log}))
             sess.engine.drafter.close()
             del sess

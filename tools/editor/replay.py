@@ -1,7 +1,7 @@
 """Replay an editing session against the completion server, the way llama.vim sends it.
 
-    .venv/bin/python tools/editor_replay.py                       # 16 blocks of 15 lines, kept vs fresh (~8 min)
-    .venv/bin/python tools/editor_replay.py --blocks 1 --block-lines 6 --every 3   # smoke test
+    .venv/bin/python -m tools.editor.replay                       # 16 blocks of 15 lines, kept vs fresh (~8 min)
+    .venv/bin/python -m tools.editor.replay --blocks 1 --block-lines 6 --every 3   # smoke test
 
 A benchmark, not a test: it prints markdown tables for docs/BENCHMARKS.md. The server runs in this
 process (`create_app` behind FastAPI's TestClient, no network). The edited file is one that no
@@ -44,7 +44,7 @@ drafter every request; the KV prefix is still reused). Tokens per pass are given
 completions and over them and the follow-ups sent after them. Quality: whether the reply's first
 line is the line then typed ("right"), and how much of that line it gets right from its start
 ("match", the share of its characters after the indentation). `--record FILE` writes the first
-state's engine requests for tools/editor_mat.py, which replays the drafting offline.
+state's engine requests for tools/editor/mat.py, which replays the drafting offline.
 `--flip FILE` edits a second file by turns with the first (one completion in each in turn, each
 file with its own blocks and ring): an editor flipping between two files, where the server's
 slots (`--slots`, serve's option) keep each file's cache.
@@ -239,7 +239,7 @@ def field(resp: dict, path: str):
 
 def record_engine(engine, log: list[dict], tag: dict) -> None:
     """Log every request the engine runs (prompt, context, max_tokens and the tokens it produced),
-    tagged with tag's current value, for tools/editor_mat.py's offline replay of the drafters."""
+    tagged with tag's current value, for tools/editor/mat.py's offline replay of the drafters."""
     from cacheback_mlx.learning import segments
     from cacheback_mlx.sampling import SamplingParams
 
@@ -417,7 +417,7 @@ def header(args, path: Path, session) -> None:
     except (OSError, subprocess.SubprocessError):
         pass
     print("## Editor replay (llama.vim requests)\n")
-    print("`" + " ".join([".venv/bin/python tools/editor_replay.py", shlex.join(sys.argv[1:])]).strip() + "`\n")
+    print("`" + " ".join([".venv/bin/python -m tools.editor.replay", shlex.join(sys.argv[1:])]).strip() + "`\n")
     print(f"- machine: {cpu} ({platform.system()} {platform.machine()}), MLX {mx.__version__} on {mx.default_device()}")
     print(f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; model: {session.loaded.name}; "
           f"drafter: {args.drafter}")
@@ -479,7 +479,7 @@ def main(argv=None) -> None:
     ap.add_argument("--verbose", action="store_true", help="also print every request")
     ap.add_argument("--record", type=Path, default=None,
                     help="write the first state's engine requests (prompt, context, output ids) to this JSON "
-                         "file, for tools/editor_mat.py")
+                         "file, for tools/editor/mat.py")
     args = ap.parse_args(argv)
     if min(args.blocks, args.block_lines, args.every) < 1:
         ap.error("--blocks, --block-lines and --every must be >= 1")

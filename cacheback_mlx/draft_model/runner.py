@@ -1,4 +1,4 @@
-"""CARD's draft side: a draft model that grows the token tree (card_tree.TokenTree).
+"""CARD's draft side: a draft model that grows the token tree (drafters/card_tree.TokenTree).
 
 load_draft() turns the `draft` parameter into a model: "self:N" is the target's own first N layers
 with its final norm and LM head (the same weight arrays, no second download); anything else is a
@@ -29,12 +29,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..drafters.card_tree import TokenTree
 from ..errors import CachebackError
 from ..kvcache import ModelCache, TreeKVCache
 from ..positions import attach_tree_pass, prepare_positions
 from ..tree import DraftTree, common_prefix
 from ..verify import prefill, verify_pass
-from .card_tree import TokenTree
 
 
 def parse_self(draft: str) -> int | None:

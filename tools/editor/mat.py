@@ -1,11 +1,11 @@
 """Offline replay of an editing session's drafting: exact tokens per pass, kept vs fresh, no model.
 
-    .venv/bin/python tools/editor_replay.py --state kept --record /tmp/session.json   # record once
-    .venv/bin/python tools/editor_mat.py /tmp/session.json --budget 7                 # then replay
+    .venv/bin/python -m tools.editor.replay --state kept --record /tmp/session.json   # record once
+    .venv/bin/python -m tools.editor.mat /tmp/session.json --budget 7                 # then replay
 
-(tools/vim_typing.py --record writes the same kind of file, for llama.vim's requests key by key.)
+(`python -m tools.editor.typist --record` writes the same kind of file, for llama.vim's requests key by key.)
 
-A benchmark, not a test. `editor_replay.py --record` logs every request its server's engine ran
+A benchmark, not a test. `tools.editor.replay --record` logs every request its server's engine ran
 (completions, llama.vim's follow-ups and warm-ups) with the prompt, the text given to the drafter
 beside it, and the greedy tokens the model produced. This tool runs the drafters over that log as
 the engine would (replay.replay_requests: the same start-of-request rule, learning.start_request),
@@ -70,7 +70,7 @@ def mat(results) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("record", type=Path, help="a JSON file written by tools/editor_replay.py --record")
+    ap.add_argument("record", type=Path, help="a JSON file written by tools.editor.replay --record")
     ap.add_argument("--budget", type=int, default=7, help="draft tokens per pass (default 7: an 8-row pass)")
     args = ap.parse_args(argv)
     try:
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         requests = log["requests"]
         kinds = [r["kind"] for r in requests]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"editor_mat: {args.record}: not a record of tools/editor_replay.py --record ({e})")
+        sys.exit(f"editor_mat: {args.record}: not a record of tools.editor.replay --record ({e})")
     made: list = []
     with tempfile.TemporaryDirectory(prefix="editor-mat-") as root:  # every drafter's store, removed after
         states = {"kept": replay_requests(make_auto(True, root, made), requests, args.budget),
@@ -87,8 +87,8 @@ def main(argv=None) -> None:
         for d in made:  # their last writes land before the folder goes
             d.close()
     print(f"## Editor session, drafting replayed offline (budget {args.budget})\n")
-    print(f"`.venv/bin/python tools/editor_mat.py {args.record.name} --budget {args.budget}`; "
-          f"recorded by `{log.get('tool', 'tools/editor_replay.py')} {log.get('command', '')}`\n")
+    print(f"`.venv/bin/python -m tools.editor.mat {args.record.name} --budget {args.budget}`; "
+          f"recorded by `{log.get('tool', '.venv/bin/python -m tools.editor.replay')} {log.get('command', '')}`\n")
     print(f"- {kinds.count('fim')} completions, {kinds.count('follow-up')} follow-ups, "
           f"{kinds.count('warm')} warm-ups\n")
     print("| state | first third | middle | last third | all completions | follow-ups | last third with follow-ups |")

@@ -1,4 +1,4 @@
-"""llama.vim's and llama.vscode's completion clients, emulated from their source for tools/vim_typing.py.
+"""llama.vim's and llama.vscode's completion clients, emulated from their source for tools/editor/typist.py.
 
 Vim: ggml-org/llama.vim a1c8e6e, autoload/llama.vim (llama#fim, s:fim_ctx_local, s:fim_try_hint,
 s:fim_render, s:fim_on_response, the client cache). VSCode: ggml-org/llama.vscode 3938fb3,
@@ -15,7 +15,7 @@ import hashlib
 import re
 from collections import OrderedDict
 
-from editor_replay import N_PREFIX, N_SUFFIX, OUR_FIELDS, RING_CHUNK, RING_SCOPE, VIM_FIELDS, Ring
+from .replay import N_PREFIX, N_SUFFIX, OUR_FIELDS, RING_CHUNK, RING_SCOPE, VIM_FIELDS, Ring
 
 DEBOUNCE = 0.1  # llama#fim: a call while a request is in flight retries this much later
 MAX_CACHE, MAX_LINE_SUFFIX, LOOKBACK, PICK_MOVE = 250, 8, 128, 32  # llama.vim's defaults

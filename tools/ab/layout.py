@@ -1,11 +1,11 @@
 """The weights as loaded [out, in] and stored [in, out] (blas.transpose_weights), side by side in one process.
 
-    .venv/bin/python tools/layout_ab.py [--model M] [--contexts 256,1050] [--rows 1,4,8,16,33]
-    .venv/bin/python tools/layout_ab.py --record SESSION.json     # an editor session, request by request
+    .venv/bin/python -m tools.ab.layout [--model M] [--contexts 256,1050] [--rows 1,4,8,16,33]
+    .venv/bin/python -m tools.ab.layout --record SESSION.json     # an editor session, request by request
 
 Two copies of the model, one in each layout. Passes: a chain pass of r rows after c cached tokens
 in each copy, interleaved (the median of --repeats rounds), and the logits of the two compared bit
-for bit. --record: the requests of `tools/editor_replay.py --record` (completions, follow-ups,
+for bit. --record: the requests of `python -m tools.editor.replay --record` (completions, follow-ups,
 warm-ups) served by one engine per layout, each request by both engines in turn (the first one
 alternates), with the `auto` drafter; it prints the median time to the first completed line and
 the latency of the completions in each, and checks that both produced the same tokens.
@@ -87,7 +87,7 @@ def read_record(record: Path) -> list[dict]:
         if not all(isinstance(r, dict) and {"kind", "prompt", "out"} <= r.keys() for r in requests):
             raise KeyError("a request without kind, prompt or out")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise click.ClickException(f"{record}: not a record of tools/editor_replay.py --record ({e})") from None
+        raise click.ClickException(f"{record}: not a record of tools.editor.replay --record ({e})") from None
     return requests
 
 
@@ -141,7 +141,7 @@ def session(models, record: Path, requests: list[dict]):
 @click.option("--rows", default="1,4,8,16,33")
 @click.option("--repeats", default=7)
 @click.option("--record", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="a JSON file written by tools/editor_replay.py --record")
+              default=None, help="a JSON file written by tools.editor.replay --record")
 def main(model, contexts, rows, repeats, record):
     import mlx.core as mx
 

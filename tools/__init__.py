@@ -1,0 +1,1 @@
+"""Benchmark and table-building commands, run as `python -m tools.NAME` from the repository root; not installed."""
