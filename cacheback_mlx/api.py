@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 from mlx.utils import tree_flatten
 
 from . import cores
+from .batch import Batch, Lane
 from .budget import Sizer
 from .costs import CostFile, CostTable, Measurement, PriorCost, load_or_measure, plan_measurement
 from .drafters import drafter_names, drafter_parameters, make_drafter
@@ -75,6 +76,7 @@ class Session:
                              self.loaded.context_length, draft_budget=draft_budget, peers=peers)
         self.cost_file = cost_file(self.loaded)
         self._measurement: Measurement | None = None
+        self._batch: Batch | None = None  # several requests at once (batch())
         self._measure_tries = 0
         self._looked = time.monotonic()
         if not fixed_budget and peers is None:
@@ -213,8 +215,9 @@ class Session:
         finally:
             self.keep_learned()
         detok.finalize()
-        if detok.last_segment:
-            yield detok.last_segment, []
+        tail = detok.last_segment  # (reading it takes it: once)
+        if tail:
+            yield tail, []
 
     def stream(self, prompt: str | Sequence[dict], max_tokens: int = 256, chat: bool | None = None,
                system: str | None = None, truncate: bool = False, **sampling) -> Iterator[str]:
@@ -225,6 +228,37 @@ class Session:
 
     def generate(self, prompt: str | Sequence[dict], max_tokens: int = 256, **kw) -> str:
         return "".join(self.stream(prompt, max_tokens, **kw))
+
+    def batch(self, lanes: int) -> Batch:
+        """The session's batch of `lanes` lanes (batch.py), each with a drafter of this session's
+        kind; kept, with the lanes' caches, for the next batch of as many lanes."""
+        current = self._batch
+        if current is None or current.n != lanes:
+            self.reset_batch()
+            self._batch = Batch(self.engine, lanes, lambda: self.make_drafter(self.drafter_name, **self.drafter_params))
+        return self._batch
+
+    def reset_batch(self) -> None:
+        """Forget the batch's lanes: their caches and their drafters."""
+        if self._batch is not None:
+            self._batch.close()
+        self._batch = None
+
+    def generate_ids_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 256,
+                           sampling: SamplingParams = SamplingParams(), lanes: int | None = None) -> list[Lane]:
+        """Every prompt (token ids) to its end, up to `lanes` at a time in one pass (default: all
+        of them, at most 8), each joining as another finishes; the lanes in prompt order (their
+        tokens, stats and finish_reason)."""
+        batch = self.batch(lanes or min(len(prompts), 8))
+        with cores.share.busy():
+            return batch.run([dict(prompt=p, max_tokens=max_tokens, sampling=sampling) for p in prompts])
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[dict]], max_tokens: int = 256, chat: bool | None = None,
+                       system: str | None = None, lanes: int | None = None, **sampling) -> list[str]:
+        """The texts of several generations run together (generate_ids_batch)."""
+        ids = [self.encode(p, chat=chat, system=system) for p in prompts]
+        done = self.generate_ids_batch(ids, max_tokens, SamplingParams(**sampling), lanes)
+        return [self.tokenizer.decode(lane.tokens) for lane in done]
 
 
 def stream_generate(prompt: str | Sequence[dict], model: str | LoadedModel | None = None,

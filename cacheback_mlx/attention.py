@@ -116,7 +116,7 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, m
     return out.reshape(B, H, T, -1)
 
 
-# Where it wins (tools/attention_ab.py, docs/BENCHMARKS.md §11): one row over a short cache is level
+# Where it wins (tools/ab/attention.py, docs/BENCHMARKS.md §11): one row over a short cache is level
 # with MLX's kernel, so that stays MLX's; everything else is faster here: 2-8 rows up to ~2x at
 # long contexts, prefill chunks (in blocks) ~1.3-2x.
 MIN_KEYS_ONE_ROW = 512  # one query row: ours from this many keys on
@@ -132,7 +132,11 @@ def _usable(queries, keys, cache, sinks, mask) -> bool:
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx-lm's `scaled_dot_product_attention`, with cpu_attention where it applies."""
+    """mlx-lm's `scaled_dot_product_attention`, with cpu_attention where it applies; a pass
+    several sequences share attends sequence by sequence (batch.LaneView.attend)."""
+    attend = getattr(cache, "attend", None)
+    if attend is not None:
+        return attend(queries, scale, mask, sinks)
     if _usable(queries, keys, cache, sinks, mask):
         return cpu_attention(queries, keys, values, scale, mask)
     return stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -349,15 +349,7 @@ class Sizer:
         """The first n nodes of the tree, n chosen for the most expected tokens per second."""
         if not len(tree):
             return tree
-        cells = None
-        if tree.scores is None:  # our estimate, kept with the nodes' cells for update()
-            cells = self.rates.cells(tree)
-            tree, order = best_first(tree, self.rates.scores(tree, cells))
-            cells = cells[order]
-            scores = tree.scores[: self.MAX_ROWS - lead]
-        else:  # the drafter's scores, as calibrated by what the model accepted
-            self._offered = tree.truncate(self.MAX_ROWS - lead)
-            scores = self.calibration.apply(self._offered.scores)
+        tree, scores, cells = self.offer(tree, lead)
         costs = self.costs(context)
         n = best_size(scores, lead, costs)
         self.used += 0.1 * (n - self.used)
@@ -379,6 +371,22 @@ class Sizer:
             if self._idle >= self.PROBE_IDLE and extra <= self._credit:
                 n, self._idle = 1, 0
                 self._credit -= max(extra, 0.0)
+        return self.send(tree, cells, n)
+
+    def offer(self, tree: DraftTree, lead: int) -> tuple[DraftTree, np.ndarray, np.ndarray | None]:
+        """A drafted tree as sizing sees it: (the tree, each node's chance of acceptance, the
+        nodes' cells). A tree without scores is reordered best first by our estimate (its cells
+        kept for update()); a drafter's scores are calibrated by what the model accepted."""
+        if tree.scores is None:
+            cells = self.rates.cells(tree)
+            tree, order = best_first(tree, self.rates.scores(tree, cells))
+            return tree, tree.scores[: self.MAX_ROWS - lead], cells[order]
+        self._offered = tree.truncate(self.MAX_ROWS - lead)
+        return tree, self.calibration.apply(self._offered.scores), None
+
+    def send(self, tree: DraftTree, cells: np.ndarray | None, n: int) -> DraftTree:
+        """The first n nodes of an offered tree, as the pass will send them; update() learns
+        from them after the pass."""
         tree = tree.truncate(n)
         if cells is not None:
             self._sent = (tree, cells[:n])

@@ -203,11 +203,16 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
 @click.option("--slots", default=4, show_default=True, type=click.IntRange(min=1),
               help="Sequences whose KV caches are kept at once (llama.cpp's slots): a request runs in the one "
                    "that reuses most of its prompt, so an editor flipping between files, or clients between "
-                   "conversations, does not re-prefill each time. One with --distributed.")
+                   "conversations, does not re-prefill each time. One with --distributed. With --parallel N > 1 "
+                   "the N lanes are the slots: each keeps its sequence's caches.")
+@click.option("--parallel", "-np", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Requests run at once, several sequences to a pass, each with its own drafts (continuous "
+                   "batching; llama.cpp's -np); more wait for a free lane. 1: one request at a time. One with "
+                   "--distributed.")
 @distributed_option
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size, infill_extra, slots, distributed):
+          batch_size, infill_extra, slots, parallel, distributed):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
     from .server import serve as run_server
 
@@ -215,7 +220,8 @@ def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size,
-               infill_extra=None if infill_extra < 0 else infill_extra, slots=slots)
+               infill_extra=None if infill_extra < 0 else infill_extra, slots=slots,
+               parallel=1 if distributed else parallel)
 
 
 @main.command("build-table")

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    create_attention_mask,
+    make_prompt_cache,
+)
 
 from . import activations, attention
 from .errors import CachebackError
@@ -62,10 +69,15 @@ class TreeKVCache(KVCache):
         self.tree_pass = tree_pass
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        tp = self.tree_pass
-        if tp.rel is None and (window_size is None or self.offset + N <= window_size):
-            return super().make_mask(N, window_size=window_size, return_array=return_array)
-        return pass_mask(tp, self.offset, self.start, N, window_size)
+        return self.mask_at(self.offset, N, self.tree_pass, window_size, return_array)
+
+    def mask_at(self, offset: int, N: int, tp: TreePass, window_size: int | None = None,
+                return_array: bool = False):
+        """The mask of a pass of N rows laid out by `tp` when the cache held `offset` positions
+        (make_mask's, for a pass that shares its rows with other sequences: batch.py)."""
+        if tp.rel is None and (window_size is None or offset + N <= window_size):
+            return create_attention_mask(N, offset=offset, window_size=window_size, return_array=return_array)
+        return pass_mask(tp, offset, self.start, N, window_size)
 
     def can_trim_to(self, length: int) -> bool:
         return True
@@ -126,11 +138,12 @@ class WindowKVCache(TreeKVCache):
         used = self.offset - self.start
         return self.keys[..., :used, :], self.values[..., :used, :]
 
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+    def mask_at(self, offset: int, N: int, tp: TreePass, window_size: int | None = None,
+                return_array: bool = False):
         window = min(window_size or self.window, self.window)
-        if self.tree_pass.rel is None and self.offset + N - self.start <= window:
+        if tp.rel is None and offset + N - self.start <= window:
             return "causal" if N > 1 else None  # every stored key is inside every row's window
-        return pass_mask(self.tree_pass, self.offset, self.start, N, window)
+        return pass_mask(tp, offset, self.start, N, window)
 
     def can_trim_to(self, length: int) -> bool:
         return length >= self.offset or self.start == 0 or length - (self.window - 1) >= self.start
@@ -232,7 +245,7 @@ class ModelCache:
         kept, no padding) stays; so does a prefix 0..m-1 of a pass that captured its rows' states
         (recurrent.py); otherwise everything is undone. Returns whether kept.
         committed: how many of the kept rows join the sequence (default all); the others stay
-        stored past it (a draft tree kept in the cache, drafters/card_model.py)."""
+        stored past it (a draft tree kept in the cache, draft_model/runner.py)."""
         base = self.length
         self.in_pass = False
         if self.recurrent and not whole and not self._keep_prefix(rows, committed):

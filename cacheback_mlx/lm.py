@@ -137,3 +137,43 @@ def generate(model, tokenizer, prompt, max_tokens: int = 256, verbose: bool = Fa
               f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec "
               f"({last.passes} passes, {last.mat:.2f} tokens per pass)\nPeak memory: {last.peak_memory:.3f} GB")
     return text
+
+
+@dataclass
+class BatchResponse:
+    """mlx-lm's BatchResponse fields: the texts, counters, and the token ids when asked for."""
+
+    texts: list[str]
+    stats: dict
+    caches: None = None
+    token_ids: list[list[int]] | None = None
+    logprobs: None = None
+
+
+def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max_tokens: int | Sequence[int] = 128,
+                   verbose: bool = False, return_token_ids: bool = False, drafter: str = DEFAULT_DRAFTER,
+                   draft_budget: int | None = None, lanes: int | None = None, **kwargs) -> BatchResponse:
+    """mlx_lm.batch_generate over this engine: every prompt (token ids, or text) runs in one
+    batch, several sequences to a pass, each with its own drafts (batch.py). Sampling as in
+    stream_generate (temperature / top_p / top_k / seed)."""
+    session = _session(model, tokenizer, drafter, draft_budget)
+    ids = [session.encode(p, chat=False) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(ids)
+    if len(limits) != len(ids):
+        raise CachebackError(f"max_tokens: {len(limits)} limits for {len(ids)} prompts")
+    unknown = set(kwargs) - {"temperature", "top_p", "top_k", "seed", "min_p"}
+    if unknown:
+        raise CachebackError(f"batch_generate: unknown arguments {sorted(unknown)}")
+    batch = session.batch(lanes or min(len(ids), 8))
+    t0 = time.perf_counter()
+    done = batch.run([dict(prompt=p, max_tokens=n, sampling=SamplingParams(**kwargs)) for p, n in zip(ids, limits)])
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(lane.tokens) for lane in done)
+    stats = {"prompt_tokens": sum(len(p) for p in ids), "generation_tokens": tokens, "wall_time": seconds,
+             "generation_tps": tokens / seconds if seconds > 0 else 0.0, "passes": batch.passes}
+    if verbose:
+        print(f"[batch_generate] {len(ids)} prompts, {tokens} tokens in {seconds:.2f} s "
+              f"({stats['generation_tps']:.1f} tokens-per-sec, {batch.passes} passes)")
+    return BatchResponse([tokenizer.decode(lane.tokens) for lane in done], stats,
+                         token_ids=[lane.tokens for lane in done] if return_token_ids else None)
+

@@ -78,3 +78,17 @@ class RandomTreeDrafter(Drafter):
             out.append(p)
             p = parents[p]
         return out
+
+
+class KnownStreamsDrafter(RandomTreeDrafter):
+    """RandomTreeDrafter along whichever of several known streams (prompt + truth) the history
+    follows: one drafter that serves several requests in turn (a batch's lane)."""
+
+    def __init__(self, streams, seed=0, vocab=90):
+        super().__init__([], [], seed, vocab)
+        self.streams = [list(p) + list(t) for p, t in streams]
+
+    def propose(self, history, budget, max_branching=None):
+        h = list(history)
+        self.full = next((s for s in self.streams if s[: len(h)] == h), h)
+        return super().propose(history, budget, max_branching)

@@ -52,11 +52,12 @@ def start(session, **kw):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
+def tiny_server(tmp_path_factory, request):
+    """The server one request at a time, and with requests run as lanes of one batch."""
     path = tmp_path_factory.mktemp("srv") / "fim.gguf"
     write_tiny_gguf(path, context=256, fim=True)
-    server, thread, url = start(Session(str(path), "ngram"), api_key="sekrit", max_body=4096)
+    server, thread, url = start(Session(str(path), "ngram"), api_key="sekrit", max_body=4096, parallel=request.param)
     yield url
     server.should_exit = True
     thread.join(5)
@@ -216,7 +217,8 @@ def test_served_process_exits_cleanly_after_requests(tmp_path):
     write_tiny_gguf(path, context=256)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cacheback_mlx.cli", "serve", "--model", str(path),
-                             "--drafter", "ngram", "--port", str(port), "--infill-extra", "256", "--slots", "2"],
+                             "--drafter", "ngram", "--port", str(port), "--infill-extra", "256", "--slots", "2",
+                             "--parallel", "2"],
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for_health(f"http://127.0.0.1:{port}")

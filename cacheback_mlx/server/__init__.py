@@ -23,19 +23,22 @@ from .core import BodyGuard, Context, Generator, error
 
 def create_app(session: Session, api_key: str | None = None, max_body: int = 1 << 20, strict_infill: bool = False,
                keep_drafter: bool = True, batch: int = 2048, stable_prefix: bool = True,
-               infill_extra: int | None = 0, slots: int | None = 4, measure_idle: bool = False) -> FastAPI:
+               infill_extra: int | None = 0, slots: int | None = 4, measure_idle: bool = False,
+               parallel: int = 1) -> FastAPI:
     """batch bounds /infill prompts the way llama.cpp's batch size does (prefix 3/4, suffix 1/4);
     infill_extra: tokens of extra chunks in a prefix-only /infill prompt (None: all that fit; fim.py);
     slots: sequences whose caches are kept at once, e.g. one per file an editor flips between
     (slots.py; serve's default; None: as the session's engine has them);
     measure_idle: measure the model's pass costs while no request runs (core.Generator; `serve`
-    does, an app embedded in a test or tool does not unless asked).
+    does, an app embedded in a test or tool does not unless asked);
+    parallel: requests run at once, as lanes of one batch, several sequences to a pass
+    (server/batching.py; `serve --parallel`, default 4); 1: one at a time.
     To measure what they bring: keep_drafter=False gives every request a fresh drafter,
     stable_prefix=False cuts /infill prefixes at their last lines that fit (fim.py)."""
     loaded = session.loaded
     if slots is not None:
         session.engine.set_slots(slots)
-    ctx = Context(session, Generator(session, keep_drafter),
+    ctx = Context(session, Generator(session, keep_drafter, parallel),
                   InfillBuilder(session.tokenizer, loaded.fim, loaded.context_length, batch, stable_prefix,
                                 infill_extra),
                   strict_infill)

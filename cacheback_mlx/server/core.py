@@ -32,6 +32,7 @@ from ..engine import Interrupted
 from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
 from ..sampling import SamplingParams
+from .batching import BatchRunner
 
 MAX_TOKENS = 4096
 
@@ -158,6 +159,53 @@ class Job:
         return "length" if self.hit_max else "stop"
 
 
+class TextOut:
+    """A job's text as its pieces come: stop strings, an editor's rules and llama.cpp's
+    t_max_predict_ms end it; what a stop string may still claim is held back."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.stops = job.sampling.stops()
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
+        self.raw = self.text = ""
+        self.sent = 0
+        job.stop_type = "eos"
+
+    def add(self, piece: str, decode_s: float) -> tuple[str, bool]:
+        """After one more piece: the text newly safe to send ("" when held back), and whether the
+        job ends here (a stop string, a rule, the time limit)."""
+        job = self.job
+        self.raw += piece
+        text = job.rules.visible(self.raw) if job.rules is not None else self.raw
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            job.stop_type = "word"
+        elif job.rules is not None and (c := job.rules.cut(text)) is not None:
+            cut, job.stop_type = c, "limit"
+        if cut >= 0:
+            self.text = text[:cut]
+            return "", True
+        self.text = text
+        if job.t_max_predict_ms and "\n" in text and 1e3 * decode_s >= job.t_max_predict_ms:
+            job.stop_type = "limit"  # as llama.cpp: only once a line is complete, so the editor
+            return "", True  # never gets a reply cut inside its first line
+        safe = len(text) - self.hold
+        if job.rules is not None and job.rules.holds_lines():
+            safe = min(safe, text.rfind("\n") + 1)
+        new = text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return new, False
+
+    def finish(self, ended: bool, tokens: int) -> str:
+        """The job is over (`ended`: by add's say, else its tokens ran out or EOS): set its text
+        and stop type; the text not sent yet."""
+        job = self.job
+        if not ended and tokens >= job.max_tokens:
+            job.stop_type, job.hit_max = "limit", True
+        job.text = self.text
+        return self.text[self.sent :]
+
+
 class Generator:
     """Runs jobs one at a time on the shared Session, step by step, all on ONE worker thread (MLX
     arrays and streams belong to the thread that made them)."""
@@ -166,8 +214,11 @@ class Generator:
     POLL_S = 0.2  # while the worker runs a step, how often to look whether the client went away
     MAX_YIELDS = 32  # times one job's prefill lets waiting requests go first
 
-    def __init__(self, session: Session, keep_drafter: bool = True):
+    def __init__(self, session: Session, keep_drafter: bool = True, parallel: int = 1):
+        """parallel: requests run at once, as lanes of one batch (server/batching.py); 1: one at
+        a time on the session's engine."""
         self.session = session
+        self.runner = BatchRunner(self, parallel) if parallel > 1 else None
         self.keep_drafter = keep_drafter  # False: a fresh drafter per request (measurements)
         self.turn = asyncio.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -182,11 +233,21 @@ class Generator:
         engine prices passes by the prior it learns from its own passes."""
         while True:
             await asyncio.sleep(self.IDLE_S)
-            while time.monotonic() - self.last_request >= self.IDLE_S and not self.turn.locked():
+            while time.monotonic() - self.last_request >= self.IDLE_S and not self.busy:
                 async with self.turn:
                     more = await self.call(self.session.measure_step)
                 if not more:
                     break
+
+    @property
+    def busy(self) -> bool:
+        """A request is running on the model."""
+        return self.turn.locked() or (self.runner is not None and self.runner.running)
+
+    @property
+    def requests_waiting(self) -> int:
+        """Requests waiting for the model (or for a free lane)."""
+        return self.waiting + (self.runner.waiting if self.runner is not None else 0)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -220,45 +281,27 @@ class Generator:
             engine.prefill_only(job.ids, job.context, stop=stop)
             job.stop_type, job.timings, job.slot = "limit", self.timings(job, prefill_only=True), engine.slots.active
             return
-        stops = job.sampling.stops()
-        hold = max((len(s) - 1 for s in stops), default=0)
-        text, sent = "", 0
-        job.stop_type = "eos"
+        out = TextOut(job)
         pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context, stop=stop)
+        ended = False
         try:
-            raw = ""
             for piece, _ in pieces:
-                raw += piece
-                text = job.rules.visible(raw) if job.rules is not None else raw
-                cut = min((text.find(s) for s in stops if s in text), default=-1)
-                if cut >= 0:
-                    job.stop_type = "word"
-                elif job.rules is not None and (c := job.rules.cut(text)) is not None:
-                    cut, job.stop_type = c, "limit"
-                if cut >= 0:
-                    text = text[:cut]
+                new, ended = out.add(piece, self.session.stats.decode_s)
+                if ended:
                     break
-                if job.t_max_predict_ms and "\n" in text and 1e3 * self.session.stats.decode_s >= job.t_max_predict_ms:
-                    job.stop_type = "limit"  # as llama.cpp: only once a line is complete, so the
-                    break  # editor never gets a reply cut inside its first line
-                safe = len(text) - hold
-                if job.rules is not None and job.rules.holds_lines():
-                    safe = min(safe, text.rfind("\n") + 1)
-                yield text[sent:safe] if safe > sent else ""  # "" too: callers check for a disconnect
-                sent = max(sent, safe)
-            else:
-                if self.session.stats.tokens >= job.max_tokens:
-                    job.stop_type, job.hit_max = "limit", True
+                yield new  # "" too: callers check for a disconnect
         finally:
             pieces.close()
-        job.text, job.slot = text, engine.slots.active
+        rest = out.finish(ended, self.session.stats.tokens)
+        job.slot = engine.slots.active
         job.timings = self.timings(job)
-        if len(text) > sent:
-            yield text[sent:]
+        if rest:
+            yield rest
 
-    def timings(self, job: Job, prefill_only: bool = False) -> dict:
-        """llama.cpp's timings (prompt_n: prompt tokens computed; cache_n: reused), plus drafting."""
-        s = self.session.stats
+    def timings(self, job: Job, prefill_only: bool = False, stats=None) -> dict:
+        """llama.cpp's timings (prompt_n: prompt tokens computed; cache_n: reused), plus drafting,
+        from `stats` (default: the session's last generation)."""
+        s = stats or self.session.stats
         cache_n = s.prompt_tokens - 1 - s.prefill_tokens
         prompt_n = s.prompt_tokens - cache_n - (1 if prefill_only else 0)
         per = lambda ms, n: (ms / n if n else 0.0, 1e3 * n / ms if ms > 0 else 0.0)
@@ -295,6 +338,11 @@ class Generator:
         chunks while another request waits: this job then queues again behind it and goes on
         from the chunks done, kept in its slot (with one slot the next request would take them,
         so it does not yield there; at most MAX_YIELDS times a job)."""
+        if self.runner is not None:
+            async with aclosing(self.runner.pieces(request, job, offset)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
         gone = threading.Event()
         yields = 0
         while True:
@@ -325,6 +373,15 @@ class Generator:
         """Run a job to its end (n times when sampling; greedy runs once and is repeated); stops
         early when the client goes away, freeing the model for the next request."""
         runs = [job] + [Job(**{**job.__dict__, "timings": {}}) for _ in range(n - 1)]
+        if self.runner is not None and n > 1 and job.sampling.temperature > 0:  # side by side, as lanes
+            async def one(run: Job, i: int) -> None:
+                async with aclosing(self.pieces(request, run, offset=i)) as pieces:
+                    async for _ in pieces:
+                        pass
+
+            await asyncio.gather(*(one(run, i) for i, run in enumerate(runs)))
+            done = [run for run in runs if run.timings]
+            return done if len(done) == n else []
         for i, run in enumerate(runs):
             if i and job.sampling.temperature == 0:
                 run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings

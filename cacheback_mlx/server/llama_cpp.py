@@ -95,13 +95,14 @@ def router(ctx: Context) -> APIRouter:
     @api.get("/health")
     def health():
         return {"status": "ok", "model": ctx.model_id, "drafter": session.drafter_name,
-                "requests_waiting": gen.waiting, "busy": gen.turn.locked()}
+                "requests_waiting": gen.requests_waiting, "busy": gen.busy}
 
     @api.get("/props")
     def props():
         """What llama.vscode reads (default_generation_settings.n_ctx) and llama.cpp's other keys."""
         return {"default_generation_settings": {"n_ctx": session.loaded.context_length, "model": ctx.model_id},
-                "total_slots": session.engine.slots.n, "model_path": session.loaded.source,
+                "total_slots": gen.runner.lanes if gen.runner else session.engine.slots.n,
+                "model_path": session.loaded.source,
                 "build_info": "cacheback-mlx",
                 "chat_template": getattr(session.tokenizer, "chat_template", None) or "",
                 "infill": "fim" if session.loaded.fim else "prefix-only"}

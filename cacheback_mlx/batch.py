@@ -1,0 +1,427 @@
+"""Several sequences in one forward pass (continuous batching), each with its own draft tree.
+
+Each running request is a lane: a sequence (slots.Sequence: its caches, cached tokens, lead and
+history) with a drafter of its own. At every step each lane drafts; one planner shares the pass's
+rows out among all lanes' drafts (share); the lanes' rows are laid end to end into ONE pass of the
+model (batch_pass), so the matmuls read the weights once for all of them, while attention runs
+lane by lane over that lane's own caches with its own mask and positions (LaneView: one layer's
+caches of every lane behind mlx-lm's cache interface). Then each lane accepts, rolls back and
+updates its drafter as engine.generate does. Lanes join and leave between passes.
+
+A lane's rows go through the same matmuls and the same attention as in a pass of its own, so its
+output is its solo output; this is checked on the model before lanes share a pass (check_sharing:
+bits of a shared pass against solo passes). Models whose lanes cannot share a pass take turns,
+one pass per lane, with the same output: recurrent layers (the recurrence would run across
+lanes), layers without a cache of their own, code that reads positions in ways a tree cannot
+place (those get chains), an attention that does not take the lanes' masks, or a backend where
+a shared pass rounds differently.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from . import activations, attention
+from .budget import Sizer
+from .drafters.base import Drafter
+from .engine import Engine, Interrupted, Stats, accept
+from .errors import CachebackError
+from .kvcache import ModelCache, TreeKVCache
+from .learning import start_request
+from .positions import TreePass
+from .sampling import SamplingParams, token_picker
+from .slots import Sequence
+from .tree import DraftTree, common_prefix
+from .verify import padded_size, prefill, tree_layout, verify_pass
+
+TOLERANCE = 1e-3  # check_sharing: largest difference of a logit, relative to the largest logit
+
+
+class NotShared(Exception):
+    """A model's attention did not go through the lanes' views (its lanes take turns)."""
+
+
+class LaneMask:
+    """The mask a LaneView hands the model: each lane's own is made at attention time."""
+
+    def __init__(self, window_size: int | None):
+        self.window_size = window_size
+
+
+class LaneView:
+    """One layer's caches of every lane in a shared pass, behind mlx-lm's cache interface: new
+    keys and values go to each lane's own cache, and attention (attention.py calls `attend`) runs
+    lane by lane over them."""
+
+    offset = 0  # the pass's rows carry their absolute positions (TreePass.rel), RoPE adds this
+
+    def __init__(self, caches: list[TreeKVCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
+        self.caches, self.spans, self.layouts = caches, spans, layouts
+        self.before = [c.offset for c in caches]  # each lane's positions before this pass
+        self.fetched: list | None = None
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> LaneMask:
+        return LaneMask(window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
+                        for c, (a, b) in zip(self.caches, self.spans)]
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        if not isinstance(mask, LaneMask) or self.fetched is None:
+            raise NotShared("the model's attention does not take the lanes' masks")
+        out = []
+        for c, (a, b), tp, before, (k, v) in zip(self.caches, self.spans, self.layouts, self.before, self.fetched):
+            lane_mask = c.mask_at(before, b - a, tp, mask.window_size)
+            out.append(attention.scaled_dot_product_attention(queries[:, :, a:b], k, v, c, scale, lane_mask, sinks))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]) -> list[mx.array]:
+    """ONE pass over every lane's lead + tree (padded to its rows); per lane, the logits of its
+    root and nodes (verify_pass's). Each lane's caches then hold its rows past their old length,
+    as after verify_pass; ModelCache.finish_pass keeps the accepted ones."""
+    tokens, positions, spans, layouts, start = [], [], [], [], 0
+    for cache, lead, tree, rows in passes:
+        n = len(lead) + len(tree)
+        row_tokens = np.zeros(rows, np.int32)
+        row_tokens[: len(lead)], row_tokens[len(lead) : n] = lead, tree.tokens
+        layout = TreePass()
+        if tree.is_chain():
+            rel = np.arange(rows, dtype=np.int32)
+        else:
+            rel, in_pass = tree_layout(tree, len(lead), rows)
+            layout.rel, layout.in_pass = mx.array(rel), mx.array(in_pass)
+        tokens.append(row_tokens)
+        positions.append(cache.length + rel)
+        spans.append((start, start + rows))
+        layouts.append(layout)
+        start += rows
+    caches = [p[0] for p in passes]
+    for c in caches:
+        c.begin_pass()
+    views = [LaneView([c.layers[j] for c in caches], spans, layouts) for j in range(len(caches[0].layers))]
+    tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
+    tree_pass.set(mx.array(np.concatenate(positions)), None)
+    try:
+        with activations.engine_pass():
+            logits = model(mx.array(np.concatenate(tokens))[None], cache=views)
+    finally:
+        tree_pass.clear()
+    return [logits[0, a + len(lead) - 1 : a + len(lead) + len(tree)]
+            for (a, _), (_, lead, tree, _) in zip(spans, passes)]
+
+
+def sharing_reason(engine: Engine) -> str | None:
+    """Why lanes of this engine's model cannot share a pass (None: they can), from its structure;
+    check_sharing then tries one."""
+    cache = engine.seq.cache
+    if engine.chain_reason:
+        return engine.chain_reason
+    if cache.shared_layers:
+        return "layers without a cache of their own"
+    if not all(isinstance(c, TreeKVCache) for c in cache.layers):
+        return "layer caches that are not plain key/value caches"
+    if engine.peers is not None:
+        return "a model sharded over processes"
+    return None
+
+
+_checked: dict[int, tuple] = {}  # id(model) -> (model, check_sharing's answer)
+
+
+def sharing(engine: Engine) -> str | None:
+    """check_sharing's answer for the engine's model, checked once per model."""
+    model = engine.model
+    seen = _checked.get(id(model))
+    if seen is None or seen[0] is not model:
+        seen = _checked[id(model)] = (model, check_sharing(engine))
+    return seen[1]
+
+
+def check_sharing(engine: Engine) -> str | None:
+    """Run two small lanes (a chain and a tree, 7 and 12 rows) in one shared pass and each in a
+    pass of its own, on fresh caches: None when they agree, else why not. They agree to rounding,
+    not bits: a matmul's rows round differently with the number of rows (BLAS blocks them), as a
+    verify pass's rows already do against one-row steps; a wrong position or mask is far off."""
+    reason = sharing_reason(engine)
+    if reason:
+        return reason
+    model, vocab = engine.model, engine.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(20)], [(5 * i + 1) % vocab for i in range(9)]]
+    trees = [DraftTree([(i + 2) % vocab for i in range(4)], [-1, 0, 1, 2]),
+             DraftTree([(3 * i + 1) % vocab for i in range(8)], [-1, -1, 0, 0, 1, 3, 3, 5])]
+    leads = [p[-3:] for p in prompts]
+    try:
+        solo, shared = [], []
+        for runs in (solo, shared):
+            caches = [ModelCache(model) for _ in prompts]
+            for c, p in zip(caches, prompts):
+                prefill(model, c, p[:-3])
+            passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
+            if runs is solo:
+                runs.extend(verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes)
+            else:
+                runs.extend(batch_pass(model, passes))
+            mx.eval(runs)
+    except (NotShared, TypeError, AttributeError, ValueError) as e:
+        return f"its attention cannot be shared ({type(e).__name__}: {e})"
+    for a, b in zip(solo, shared):
+        scale = max(1.0, mx.abs(a).max().item())
+        if mx.abs(a - b).max().item() > TOLERANCE * scale or not mx.array_equal(a.argmax(-1), b.argmax(-1)).item():
+            return "a shared pass differs from passes of its own beyond rounding"
+    return None
+
+
+def share(sizer: Sizer | None, offers: list[tuple[int, np.ndarray]], context: int) -> list[int]:
+    """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
+    acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
+    the count taken is the one with the most expected tokens per second of the whole pass, by
+    the sizer's cost of a pass of that many rows (padded where more rows cost less; `context`:
+    the lanes' mean cached tokens). Without a sizer (a fixed budget) every lane sends all it
+    offered."""
+    if sizer is None:
+        return [len(s) for _, s in offers]
+    base = sum(lead for lead, _ in offers)
+    costs = sizer.costs(context)
+    heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
+    heapq.heapify(heap)
+    order, expected = [], [float(len(offers))]
+    while heap and base + len(order) + 1 < len(costs):
+        neg, i, j = heapq.heappop(heap)
+        order.append(i)
+        expected.append(expected[-1] + min(max(-neg, 0.0), 1.0))
+        if j + 1 < len(offers[i][1]):
+            heapq.heappush(heap, (-float(offers[i][1][j + 1]), i, j + 1))
+    k = int(np.argmax(np.array(expected) / costs[base : base + len(expected)]))
+    counts = [0] * len(offers)
+    for i in order[:k]:
+        counts[i] += 1
+    return counts
+
+
+@dataclass
+class Lane:
+    """One request running in a Batch."""
+
+    index: int  # which of the batch's sequences it runs in
+    seq: Sequence
+    drafter: Drafter
+    pick: Callable
+    max_tokens: int
+    sizer: Sizer | None  # scores the lane's drafts (None: a fixed budget)
+    stats: Stats = field(default_factory=Stats)
+    tokens: list[int] = field(default_factory=list)  # produced so far (EOS excluded)
+    done: bool = False
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+class Batch:
+    """Up to `n` requests at once, each in its own lane, stepped together (see the module's
+    docstring). A lane's sequence and drafter stay for the next request, which reuses the caches
+    of the lane whose tokens share the longest prefix with its prompt."""
+
+    def __init__(self, engine: Engine, n: int, make_drafter: Callable[[], Drafter]):
+        if n < 1:
+            raise CachebackError(f"a batch needs at least one lane (got {n})")
+        self.engine, self.model, self.n = engine, engine.model, n
+        self.seqs: list[Sequence | None] = [None] * n
+        self.drafters: list[Drafter | None] = [None] * n
+        self.make_drafter = make_drafter
+        self.lanes: dict[int, Lane] = {}
+        self.reason = sharing(engine)  # None: lanes share each pass
+        self.passes = 0  # passes run (shared or taken in turns)
+        self.clock = 0  # requests started (which lane was used longest ago)
+
+    def _free_lane(self, prompt: list[int]) -> int:
+        """The free lane for `prompt`, as slots.Slots chooses a slot: the one whose tokens share
+        the longest prefix with it, if that is at least half of the shorter of the two; else an
+        empty lane; else the one used longest ago."""
+        free = [i for i in range(self.n) if i not in self.lanes]
+        if not free:
+            raise CachebackError(f"all {self.n} lanes are busy")
+        best, reuse = None, 0
+        for i in free:
+            toks = self.seqs[i].cached if self.seqs[i] is not None else []
+            r = common_prefix(toks, prompt)
+            if r > reuse and 2 * r >= min(len(toks), len(prompt)):
+                best, reuse = i, r
+        if best is not None:
+            return best
+        empty = [i for i in free if self.seqs[i] is None or not self.seqs[i].cached]
+        return empty[0] if empty else min(free, key=lambda i: self.seqs[i].used)
+
+    def _enter(self, prompt: list[int], context, stop, fresh: bool) -> tuple[int, Stats]:
+        """Take the free lane that reuses most of the prompt and bring its caches up to it but its
+        last token (which leads the first pass); its drafter (a new one with `fresh`) learns it."""
+        i = self._free_lane(prompt)
+        if self.seqs[i] is None or fresh:
+            if self.drafters[i] is not None:
+                self.drafters[i].close()
+            self.drafters[i] = self.make_drafter()
+            self.seqs[i] = self.seqs[i] or Sequence(ModelCache(self.model))
+            self.seqs[i].forget()
+        seq, stats, eng = self.seqs[i], Stats(prompt_tokens=len(prompt)), self.engine
+        self.clock += 1
+        seq.used = self.clock
+        t0 = time.perf_counter()
+        keep = seq.cache.trim(common_prefix(seq.cached, prompt[:-1]))
+        done = prefill(self.model, seq.cache, prompt[keep:-1], eng.chunk_rule(), timed=eng.planner.prefilled, stop=stop)
+        seq.cached = prompt[: keep + done]
+        if keep + done < len(prompt) - 1:
+            seq.lead = []
+            raise Interrupted(f"prefill stopped after {keep + done} of {len(prompt) - 1} tokens")
+        seq.lead = prompt[-1:]
+        stats.prefill_tokens, stats.prefill_s = len(prompt) - 1 - keep, time.perf_counter() - t0
+        seq.history = start_request(self.drafters[i], seq.history, prompt, context, seq.learned)
+        return i, stats
+
+    def join(self, prompt: Seq[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
+             context=(), stop=None, fresh: bool = False) -> Lane:
+        """Start a request in a free lane: prefill what its caches lack of the prompt but the last
+        token, let its drafter learn the prompt (`context`: text beside it, learning.start_request;
+        `fresh`: a new drafter that learned nothing). `stop`: asked between prefill chunks; True
+        stops the prefill there (engine.Interrupted), the chunks done kept, so the same prompt
+        later goes on from them."""
+        eng = self.engine
+        prompt = eng.check(prompt, max_tokens)
+        if max_tokens == 0:
+            raise CachebackError("max_tokens must be > 0")
+        i, stats = self._enter(prompt, context, stop, fresh)
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+        sizer = eng.sizer and Sizer(eng.sizer.cost, pad=False, learn=False)
+        max_tokens = min(max_tokens, eng.context_length - len(prompt))
+        lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats)
+        self.lanes[i] = lane
+        return lane
+
+    def warm(self, prompt: Seq[int], context=(), stop=None) -> tuple[int, Stats]:
+        """Bring a free lane's caches up to the prompt and generate nothing (an editor's warm-up),
+        so a request that starts with it only prefills what follows; (the lane, its counters)."""
+        return self._enter(self.engine.check(prompt, 0), context, stop, False)
+
+    def close(self) -> None:
+        """End every lane's request and release the lanes' drafters."""
+        for lane in list(self.lanes.values()):
+            self.leave(lane)
+        for d in self.drafters:
+            if d is not None:
+                d.close()
+        self.seqs, self.drafters = [None] * self.n, [None] * self.n
+
+    def leave(self, lane: Lane) -> None:
+        """End a lane's request (finished or cancelled): its rows are free from the next pass."""
+        if self.lanes.get(lane.index) is lane:
+            del self.lanes[lane.index]
+            lane.drafter.end_request()
+        lane.done = True
+
+    def step(self) -> list[tuple[Lane, list[int]]]:
+        """One pass for every running lane: (lane, the tokens it produced) per lane, in lane
+        order; a lane that finished (EOS or its token limit) has left the batch."""
+        eng, lanes = self.engine, [self.lanes[i] for i in sorted(self.lanes)]
+        if not lanes:
+            return []
+        # draft: each lane within the tokens and context it has left
+        t0 = time.perf_counter()
+        offers = []
+        for lane in lanes:
+            seq = lane.seq
+            limit = min(lane.max_tokens - len(lane.tokens) - 1,
+                        eng.context_length - len(seq.cached) - len(seq.lead) - 1)
+            budget = eng.planner.draft_cap(len(seq.lead), len(seq.cached), limit)
+            tree = DraftTree.empty()
+            if budget > 0:
+                tree = lane.drafter.propose(seq.history, budget, max_branching=eng.max_branching)
+                tree = tree.truncate(budget).keep_valid(eng.vocab_size)
+                if eng.chain_reason and not tree.is_chain():
+                    tree = tree.first_path()
+            offers.append(lane.sizer.offer(tree, len(seq.lead)) if lane.sizer and len(tree) else (tree, None, None))
+        # plan: the pass's rows shared out among every lane's drafts
+        context = sum(len(lane.seq.cached) for lane in lanes) // len(lanes)
+        counts = share(eng.sizer, [(len(lane.seq.lead), s if s is not None else np.ones(len(t)))
+                                   for lane, (t, s, _) in zip(lanes, offers)], context)
+        trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
+                 for lane, (t, s, cells), k in zip(lanes, offers, counts)]
+        draft_s = time.perf_counter() - t0
+        # verify: one shared pass, or one per lane
+        t0 = time.perf_counter()
+        rows = [len(lane.seq.lead) + len(tree) for lane, tree in zip(lanes, trees)]
+        if eng.sizer is not None and eng.sizer.pad and self.reason is None:  # the last lane takes the
+            rows[-1] += eng.sizer.rows(sum(rows), context) - sum(rows)  # padding where more rows cost less
+        passes = [(lane.seq.cache, lane.seq.lead, tree, padded_size(n, eng.buckets))
+                  for lane, tree, n in zip(lanes, trees, rows)]
+        logits = (batch_pass(self.model, passes) if self.reason is None else
+                  [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
+        picks = [lane.pick(x) for lane, x in zip(lanes, logits)]
+        mx.eval(picks)
+        seconds = time.perf_counter() - t0
+        if eng.sizer is not None and self.reason is None:
+            eng.sizer.timed(sum(p[3] for p in passes), context, seconds)
+        self.passes += 1
+        # accept, roll back and update each lane
+        out = []
+        for lane, (_, lead, tree, rows), p in zip(lanes, passes, picks):
+            produced = self._settle(lane, lead, tree, rows, p.tolist())
+            lane.stats.draft_s += draft_s / len(lanes)
+            lane.stats.verify_s += seconds
+            out.append((lane, produced))
+        return out
+
+    def _settle(self, lane: Lane, lead: list[int], tree: DraftTree, rows: int, picks: list[int]) -> list[int]:
+        """A lane after its pass: accept the longest agreed path and its bonus token, keep those
+        rows, tell the drafter; the tokens it produced (EOS and past the limit cut off)."""
+        seq, stats = lane.seq, lane.stats
+        path, bonus = accept(tree, picks)
+        accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
+        if lane.sizer is not None:
+            lane.sizer.update(tree, path, accepted)
+        kept = list(range(len(lead))) + [len(lead) + i for i in path]
+        if seq.cache.finish_pass(kept, len(path) == len(tree) and rows == len(kept)):
+            seq.cached.extend(lead + accepted[:-1])
+            seq.lead = [bonus]
+        else:  # a lane on a model that undoes a pass not accepted whole
+            seq.lead = lead + accepted
+            stats.undone += 1
+        stats.passes += 1
+        stats.drafted += len(tree)
+        eos = next((i for i, t in enumerate(accepted) if t in self.engine.eos_ids), None)
+        produced = accepted[:eos][: lane.max_tokens - len(lane.tokens)]
+        seq.history.extend(produced)
+        lane.drafter.observe(produced)
+        lane.tokens.extend(produced)
+        stats.tokens = len(lane.tokens)
+        stats.accepted += len(produced) + (eos is not None and len(produced) == eos)
+        if eos is not None and len(produced) == eos:
+            stats.stop_token, lane.finish_reason = accepted[eos], "stop"
+        elif len(lane.tokens) >= lane.max_tokens:
+            lane.finish_reason = "length"
+        if lane.finish_reason:
+            self.leave(lane)
+        return produced
+
+    def run(self, requests: list[dict]) -> list[Lane]:
+        """Run requests (dicts of join's arguments) to the end, at most n at a time, each joining
+        as a lane frees; the lanes in request order."""
+        waiting, done = list(enumerate(requests)), {}
+        running: dict[int, Lane] = {}
+        while waiting or running:
+            while waiting and len(self.lanes) < self.n:
+                k, req = waiting.pop(0)
+                running[k] = self.join(**req)
+            t0 = time.perf_counter()
+            self.step()
+            for k, lane in list(running.items()):
+                lane.stats.decode_s += time.perf_counter() - t0
+                if lane.done:
+                    done[k] = running.pop(k)
+        return [done[k] for k in range(len(requests))]

@@ -1,0 +1,125 @@
+"""Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
+every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
+
+from cacheback_mlx.batch import Batch, check_sharing, share
+from cacheback_mlx.budget import Sizer
+from cacheback_mlx.costs import CostTable
+from cacheback_mlx.drafters.base import NoDrafter
+from cacheback_mlx.engine import Engine
+from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.sampling import SamplingParams
+
+import numpy as np
+import pytest
+
+import zoo
+from adversarial import KnownStreamsDrafter
+from test_families import reference
+
+PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for i in range(15)],
+           [(3 * i + 1) % 97 + 1 for i in range(31)], [(11 * i + 4) % 97 + 1 for i in range(9)],
+           [(7 * i + 3) % 97 + 1 for i in range(20)]]  # the last shares a prefix with the first
+LENGTHS = [24, 9, 17, 20, 12]
+# lanes that take turns instead of sharing a pass (batch.sharing_reason / check_sharing)
+TURNS = {"falcon_h1", "jamba", "lfm2", "mamba", "mamba2", "nemotron_h", "qwen3_5", "qwen3_next",  # recurrent
+         "gemma3n", "gemma4_text",  # layers without a cache of their own
+         "gemma2"}  # attention that builds its own mask
+CURVE = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.4, 64: 4.0, 128: 7.5, 256: 15.0}
+
+
+def streams(model):
+    return [(p, reference(model, p, n)) for p, n in zip(PROMPTS, LENGTHS)]
+
+
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+def test_every_lane_gets_its_solo_output(family):
+    model = zoo.tiny_model(family)
+    known = streams(model)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
+    seeds = iter(range(100))
+    batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=next(seeds)))
+    assert (batch.reason is None) == (family not in TURNS), batch.reason
+    lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [lane.tokens for lane in lanes] == [t for _, t in known]
+    assert all(lane.finish_reason == "length" for lane in lanes)
+    assert batch.passes < sum(lane.stats.passes for lane in lanes)  # lanes ran side by side
+    # the next requests reuse the lanes' caches: the one that shares a prefix prefills only the rest
+    again = batch.run([dict(prompt=PROMPTS[0] + known[0][1][:4], max_tokens=6)])[0]
+    assert again.tokens == reference(model, PROMPTS[0] + known[0][1][:4], 6)
+    if not eng.seq.cache.recurrent:  # (a recurrent state cannot be cut back to the shorter prompt)
+        assert again.stats.prefill_tokens < len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_lanes_share_rows_by_measured_cost_and_stay_exact(family):
+    model = zoo.tiny_model(family)
+    known = streams(model)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, sizer=Sizer(CostTable({256: CURVE})))
+    batch = Batch(eng, 4, lambda: KnownStreamsDrafter(known, seed=3))
+    lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert [lane.tokens for lane in lanes] == [t for _, t in known]
+
+
+def test_a_cancelled_lane_never_disturbs_the_others():
+    model = zoo.tiny_model("llama")
+    known = streams(model)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=8)
+    batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=5))
+    lanes = [batch.join(p, n) for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+    batch.step()
+    batch.leave(lanes[1])  # a client went away
+    assert lanes[1].done and 1 not in batch.lanes
+    while batch.lanes:
+        batch.step()
+    assert lanes[0].tokens == known[0][1] and lanes[2].tokens == known[2][1]
+    late = batch.join(PROMPTS[3], LENGTHS[3])  # the freed lane takes a new request
+    while batch.lanes:
+        batch.step()
+    assert late.tokens == known[3][1]
+
+
+def test_eos_ends_a_lane_and_bad_requests_are_one_line_errors():
+    model = zoo.tiny_model("qwen3")
+    known = streams(model)
+    stop = known[0][1][5]
+    eng = Engine(model, eos_ids=[stop], drafter=NoDrafter(), context_length=4096)
+    batch = Batch(eng, 2, lambda: KnownStreamsDrafter(known))
+    lane = batch.run([dict(prompt=PROMPTS[0], max_tokens=20)])[0]
+    assert lane.tokens == known[0][1][: known[0][1].index(stop)] and lane.finish_reason == "stop"
+    with pytest.raises(CachebackError, match="empty prompt"):
+        batch.join([], 4)
+    with pytest.raises(CachebackError, match="max_tokens"):
+        batch.join(PROMPTS[0], 0)
+    batch.join(PROMPTS[0], 4)
+    batch.join(PROMPTS[1], 4)
+    with pytest.raises(CachebackError, match="lanes are busy"):
+        batch.join(PROMPTS[2], 4)
+    with pytest.raises(CachebackError, match="at least one lane"):
+        Batch(eng, 0, NoDrafter)
+
+
+def test_a_sampled_lane_alone_samples_as_its_solo_run():
+    model = zoo.tiny_model("llama")
+    known = streams(model)
+    sampling = SamplingParams(temperature=0.8, seed=7)
+    solo = Engine(model, eos_ids=[], drafter=KnownStreamsDrafter(known, seed=1), context_length=4096, draft_budget=8)
+    want = [t for step in solo.generate(PROMPTS[0], 20, sampling) for t in step]
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=8)
+    lane = Batch(eng, 2, lambda: KnownStreamsDrafter(known, seed=1)).run(
+        [dict(prompt=PROMPTS[0], max_tokens=20, sampling=sampling)])[0]
+    assert lane.tokens == want
+
+
+def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
+    sizer = Sizer(CostTable({256: CURVE}))
+    sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])
+    counts = share(sizer, [(1, sure), (1, unsure), (1, np.zeros(0))], 256)
+    assert counts[0] == 4 and counts[1] == 0 and counts[2] == 0
+    assert share(None, [(1, sure), (1, unsure)], 256) == [4, 2]  # a fixed budget: all that was offered
+    # nothing worth a row: every lane runs its root only
+    assert share(sizer, [(1, np.full(5, 0.01)), (1, np.full(3, 0.01))], 256) == [0, 0]
+
+
+def test_the_sharing_check_names_why_lanes_take_turns():
+    eng = Engine(zoo.tiny_model("mamba"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert check_sharing(eng) == "recurrent layers"

@@ -1,0 +1,141 @@
+"""Concurrent clients against a server: ours (`serve --parallel N`, `auto` and `none`) and mlx-lm's
+(`mlx_lm.server` on the same weights exported as a folder, `--decode-concurrency 8`), one server
+at a time on this machine.
+
+    .venv/bin/python -m tools.server_load --clients 1,2,4,8 --max-tokens 128 --seeds 301,302,303
+
+Each client sends one chat completion (greedy) at the same moment: a Spec-Bench first turn or a
+HumanEval prompt (a seeded sample, alternating). Per server and client count: aggregate completion
+tokens per second (all clients' tokens / wall time until the last answer), median and worst
+latency, and whether every answer equals mlx-lm's server's, text for text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tools.batch_bench import prompt_texts  # the same prompt sample as batch_bench
+
+EXE = str(Path(sys.executable).with_name("cacheback-mlx"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(kind: str, folder: Path, port: int, parallel: int, cache: str) -> subprocess.Popen:
+    env = {**os.environ, "XDG_CACHE_HOME": cache}
+    if kind == "mlx-lm":
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
+               "--decode-concurrency", "8", "--prompt-concurrency", "8"]
+        env.pop("XDG_CACHE_HOME")
+    else:
+        drafter = kind.split()[1]
+        cmd = [EXE, "serve", "--port", str(port), "--drafter", drafter, "--parallel", str(parallel)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        if proc.poll() is not None:
+            raise SystemExit(f"server ended: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} not ready")
+
+
+def chat(url: str, text: str, max_tokens: int) -> tuple[str, int, float]:
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=1200,
+                   json={"model": "default", "messages": [{"role": "user", "content": text}],
+                         "max_tokens": max_tokens, "temperature": 0.0})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], time.perf_counter() - t0
+
+
+def clients(url: str, texts: list[str], max_tokens: int) -> tuple[list, float]:
+    out = [None] * len(texts)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, chat(url, texts[i], max_tokens)))
+               for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seeds", default="301")
+    ap.add_argument("--servers", default="ours auto,ours none,mlx-lm")
+    ap.add_argument("--parallel", type=int, default=0, help="our lanes (0: as many as the most clients)")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    parallel = args.parallel or max(counts)
+    work = Path(tempfile.mkdtemp(prefix="server_load_"))
+    from tools.dist_bench import export_default
+
+    folder = export_default(work / "model")
+    samples = {(c, s): prompt_texts(c, s) for c in counts for s in seeds}
+    results: dict[str, dict] = {}
+    for kind in args.servers.split(","):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = launch(kind, folder, port, parallel, tempfile.mkdtemp(dir=work))
+        try:
+            wait_ready(url, proc)
+            clients(url, ["Say hello.", "Count to three."], 8)  # warm-up
+            for key, texts in samples.items():
+                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    ref = results.get("mlx-lm", {})
+    print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}")
+    print("| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as mlx-lm |")
+    print("|---|---|---|---|---|---|---|")
+    summary: dict = {}
+    for kind, runs in results.items():
+        for (c, s), (outs, wall) in runs.items():
+            tokens = sum(o[1] for o in outs)
+            lat = [o[2] for o in outs]
+            same = [o[0] for o in outs] == [o[0] for o in ref[(c, s)][0]] if (c, s) in ref else "-"
+            summary.setdefault((kind, c), []).append(tokens / wall)
+            print(f"| {kind} | {c} | {s} | {tokens / wall:.1f} | {statistics.median(lat):.1f} | {max(lat):.1f} "
+                  f"| {same} |")
+    for c in counts:
+        line = [f"{kind} {statistics.mean(summary[(kind, c)]):.1f}" for kind in results]
+        if "mlx-lm" in results and "ours auto" in results:
+            r = [a / b for a, b in zip(summary[("ours auto", c)], summary[("mlx-lm", c)])]
+            line.append(f"auto/mlx-lm {statistics.mean(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
+        print(f"{c} clients: " + ", ".join(line))
+    print(json.dumps({f"{k}|{c}": v for (k, c), v in summary.items()}))
+
+
+if __name__ == "__main__":
+    main()
