@@ -33,7 +33,7 @@ from .budget import Sizer
 from .drafters.base import Drafter
 from .engine import Engine, Interrupted, Stats, accept
 from .errors import CachebackError
-from .kvcache import ModelCache, TreeKVCache
+from .kvcache import KVStack, LaneKVCache, ModelCache, TreeKVCache
 from .learning import start_request
 from .positions import TreePass
 from .sampling import SamplingParams, token_picker
@@ -55,34 +55,121 @@ class LaneMask:
         self.window_size = window_size
 
 
+class PassPlan:
+    """What every layer of a shared pass uses alike: each lane's rows, layout and positions before
+    the pass, and, for lanes that are rows of one KVStack, where each row goes in the stacked
+    queries [lanes, rows, ...] and each lane's mask over the stack, made once per window."""
+
+    def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
+        self.spans, self.layouts = spans, layouts
+        self.before = [c.length for c in caches]  # each lane's positions before this pass
+        first = [c.layers[0] for c in caches]
+        self.rows_of = [c.row for c in first] if all(isinstance(c, LaneKVCache) for c in first) else None
+        self.masks: dict = {}
+        if self.rows_of is not None and len(set(self.rows_of)) == len(caches):
+            lanes = first[0].stack.lanes
+            self.width = max(b - a for a, b in spans)
+            gather = np.zeros((lanes, self.width), np.int32)  # flat row of each (lane, row); padding: 0
+            back = np.zeros(spans[-1][1], np.int32)
+            for r, (a, b) in zip(self.rows_of, spans):
+                gather[r, : b - a] = np.arange(a, b)
+                back[a:b] = r * self.width + np.arange(b - a)
+            self.gather, self.back = mx.array(gather.reshape(-1)), mx.array(back)
+        else:
+            self.rows_of = None
+
+    def stacked_mask(self, caches: list[LaneKVCache], window_size: int | None, keys: int) -> mx.array:
+        """[lanes, 1, width, keys] bool: each lane's own mask (its rows over its positions), every
+        other place False; rows of no lane see one key (their output is dropped)."""
+        key = (window_size, caches[0].window, keys)
+        if key not in self.masks:
+            lanes, width = caches[0].stack.lanes, self.width
+            idle = mx.arange(keys)[None].astype(mx.int32) == mx.zeros((width, 1), mx.int32)  # key 0 only
+            out = [idle] * lanes
+            for c, r, (a, b), tp, before in zip(caches, self.rows_of, self.spans, self.layouts, self.before):
+                t = b - a
+                m = dense_mask(c.mask_at(before, t, tp, window_size), t, before + t)
+                out[r] = _pad(_pad(m, 1, keys), 0, width, True)
+            self.masks[key] = mx.stack(out)[:, None]
+        return self.masks[key]
+
+
 class LaneView:
     """One layer's caches of every lane in a shared pass, behind mlx-lm's cache interface: new
     keys and values go to each lane's own cache, and attention (attention.py calls `attend`) runs
-    lane by lane over them."""
+    over all lanes at once when they are rows of one KVStack, else lane by lane."""
 
     offset = 0  # the pass's rows carry their absolute positions (TreePass.rel), RoPE adds this
 
-    def __init__(self, caches: list[TreeKVCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
-        self.caches, self.spans, self.layouts = caches, spans, layouts
-        self.before = [c.offset for c in caches]  # each lane's positions before this pass
+    def __init__(self, caches: list[TreeKVCache], plan: PassPlan):
+        self.caches, self.plan = caches, plan
         self.fetched: list | None = None
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> LaneMask:
         return LaneMask(window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        plan = self.plan
+        if plan.rows_of is not None and len(self.caches) > 1:  # every lane's rows into the stack at once
+            stack = self.caches[0].stack
+            stack.reserve(max(p + b - a for p, (a, b) in zip(plan.before, plan.spans)), keys, values)
+            for c, (a, b) in zip(self.caches, plan.spans):  # (no view of the stack is kept meanwhile,
+                r, p = c.row, c.offset  # so each write is done in place)
+                stack.keys[r : r + 1, :, p : p + b - a, :] = keys[:, :, a:b]
+                stack.values[r : r + 1, :, p : p + b - a, :] = values[:, :, a:b]
+                c.offset += b - a
+            self.fetched = []
+            return keys, values
         self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
-                        for c, (a, b) in zip(self.caches, self.spans)]
+                        for c, (a, b) in zip(self.caches, plan.spans)]
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
         if not isinstance(mask, LaneMask) or self.fetched is None:
             raise NotShared("the model's attention does not take the lanes' masks")
+        plan = self.plan
+        if plan.rows_of is not None and len(self.caches) > 1:
+            return self._stacked(queries, scale, mask.window_size, sinks)
         out = []
-        for c, (a, b), tp, before, (k, v) in zip(self.caches, self.spans, self.layouts, self.before, self.fetched):
+        for c, (a, b), tp, before, (k, v) in zip(self.caches, plan.spans, plan.layouts, plan.before, self.fetched):
             lane_mask = c.mask_at(before, b - a, tp, mask.window_size)
             out.append(attention.scaled_dot_product_attention(queries[:, :, a:b], k, v, c, scale, lane_mask, sinks))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+    def _stacked(self, queries: mx.array, scale: float, window_size: int | None, sinks) -> mx.array:
+        """Every lane in one attention: queries gathered [lanes, heads, width, dim] against the
+        stack's keys up to the longest lane, each lane masked to its own positions."""
+        plan, stack = self.plan, self.caches[0].stack
+        keys = max(c.offset for c in self.caches)
+        _, H, _, D = queries.shape
+        q = queries[0][:, plan.gather].reshape(H, stack.lanes, plan.width, D).transpose(1, 0, 2, 3)
+        out = attention.scaled_dot_product_attention(q, stack.keys[:, :, :keys], stack.values[:, :, :keys],
+                                                     self.caches[0], scale,
+                                                     plan.stacked_mask(self.caches, window_size, keys), sinks)
+        flat = out.transpose(1, 0, 2, 3).reshape(H, stack.lanes * plan.width, D)
+        return flat[:, plan.back][None]
+
+
+def _pad(x: mx.array, axis: int, size: int, value=False) -> mx.array:
+    """x padded at the end of `axis` to `size` (zeros; a bool mask: `value`)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = extra
+    fill = mx.full(shape, value, mx.bool_) if x.dtype == mx.bool_ else mx.zeros(shape, x.dtype)
+    return mx.concatenate([x, fill], axis=axis)
+
+
+def dense_mask(mask, rows: int, keys: int) -> mx.array:
+    """A mask as mlx-lm hands it to attention (None, "causal" or an array) as bool [rows, keys]."""
+    if mask is None:
+        return mx.ones((rows, keys), mx.bool_)
+    if isinstance(mask, str):
+        return mx.arange(keys)[None] <= mx.arange(keys - rows, keys)[:, None]
+    if mask.dtype != mx.bool_:
+        return mask > -mx.inf
+    return mask.reshape(rows, keys)
 
 
 def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]) -> list[mx.array]:
@@ -108,7 +195,8 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
     caches = [p[0] for p in passes]
     for c in caches:
         c.begin_pass()
-    views = [LaneView([c.layers[j] for c in caches], spans, layouts) for j in range(len(caches[0].layers))]
+    plan = PassPlan(caches, spans, layouts)
+    views = [LaneView([c.layers[j] for c in caches], plan) for j in range(len(caches[0].layers))]
     tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
     tree_pass.set(mx.array(np.concatenate(positions)), None)
     try:
@@ -163,7 +251,8 @@ def check_sharing(engine: Engine) -> str | None:
     try:
         solo, shared = [], []
         for runs in (solo, shared):
-            caches = [ModelCache(model) for _ in prompts]
+            stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if runs is shared else None
+            caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
             for c, p in zip(caches, prompts):
                 prefill(model, c, p[:-3])
             passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
@@ -238,8 +327,12 @@ class Batch:
         self.make_drafter = make_drafter
         self.lanes: dict[int, Lane] = {}
         self.reason = sharing(engine)  # None: lanes share each pass
+        self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
         self.clock = 0  # requests started (which lane was used longest ago)
+
+    def _new_stacks(self) -> list[KVStack] | None:
+        return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
 
     def _free_lane(self, prompt: list[int]) -> int:
         """The free lane for `prompt`, as slots.Slots chooses a slot: the one whose tokens share
@@ -267,7 +360,7 @@ class Batch:
             if self.drafters[i] is not None:
                 self.drafters[i].close()
             self.drafters[i] = self.make_drafter()
-            self.seqs[i] = self.seqs[i] or Sequence(ModelCache(self.model))
+            self.seqs[i] = self.seqs[i] or Sequence(ModelCache(self.model, self.stacks, i))
             self.seqs[i].forget()
         seq, stats, eng = self.seqs[i], Stats(prompt_tokens=len(prompt)), self.engine
         self.clock += 1
@@ -317,6 +410,7 @@ class Batch:
             if d is not None:
                 d.close()
         self.seqs, self.drafters = [None] * self.n, [None] * self.n
+        self.stacks = self._new_stacks()
 
     def leave(self, lane: Lane) -> None:
         """End a lane's request (finished or cancelled): its rows are free from the next pass."""

@@ -153,10 +153,83 @@ class WindowKVCache(TreeKVCache):
         self.start = 0
 
 
-def wrap(cache, tree_pass: TreePass, family: str, capture: Capture | None = None):
+class KVStack:
+    """One layer's keys and values for several sequences (a batch's lanes), stacked
+    [lanes, heads, capacity, dim], so attention over every lane is one operation (batch.py)."""
+
+    step = 256
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self.keys = self.values = None
+
+    def reserve(self, length: int, keys: mx.array, values: mx.array) -> None:
+        """Room for `length` positions in every lane (shaped and typed as `keys`, `values`)."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if length <= have:
+            return
+        grow = ((length - have + self.step - 1) // self.step) * self.step
+        _, H, _, dk = keys.shape
+        new_k = mx.zeros((self.lanes, H, grow, dk), keys.dtype)
+        new_v = mx.zeros((self.lanes, H, grow, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+
+class LaneKVCache(TreeKVCache):
+    """A lane's cache of one layer: row `row` of a KVStack. A sliding-window layer keeps every
+    position (its masks honour the window), so nothing is ever evicted."""
+
+    def __init__(self, tree_pass: TreePass, stack: KVStack, row: int, window: int | None = None):
+        self.stack, self.row, self.window = stack, row, window
+        super().__init__(tree_pass)
+
+    keys = property(lambda self: None if self.stack.keys is None else self.stack.keys[self.row : self.row + 1],
+                    lambda self, value: None)
+    values = property(lambda self: None if self.stack.values is None else self.stack.values[self.row : self.row + 1],
+                      lambda self, value: None)
+
+    def update_and_fetch(self, keys, values):
+        prev, n, stack = self.offset, keys.shape[2], self.stack
+        stack.reserve(prev + n, keys, values)
+        stack.keys[self.row : self.row + 1, :, prev : prev + n, :] = keys
+        stack.values[self.row : self.row + 1, :, prev : prev + n, :] = values
+        self.offset += n
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return (self.stack.keys[self.row : self.row + 1, :, : self.offset, :],
+                self.stack.values[self.row : self.row + 1, :, : self.offset, :])
+
+    def mask_at(self, offset: int, N: int, tp: TreePass, window_size: int | None = None,
+                return_array: bool = False):
+        if self.window is None:
+            return super().mask_at(offset, N, tp, window_size, return_array)
+        window = min(window_size or self.window, self.window)
+        if tp.rel is None and offset + N <= window:
+            return "causal" if N > 1 else None
+        return pass_mask(tp, offset, 0, N, window)
+
+    def move_rows(self, src: mx.array, dst: mx.array) -> None:
+        b, stack = self.row, self.stack
+        stack.keys[b : b + 1, :, dst, :] = stack.keys[b : b + 1, :, src, :]
+        stack.values[b : b + 1, :, dst, :] = stack.values[b : b + 1, :, src, :]
+
+    def clear(self) -> None:
+        self.offset = 0
+
+
+def wrap(cache, tree_pass: TreePass, family: str, capture: Capture | None = None, stack: KVStack | None = None,
+         row: int = 0):
     """The one place that decides how each kind of layer cache is wrapped. `capture`: the model's
-    recurrent.plan (None: its recurrent layers roll back by snapshot only)."""
+    recurrent.plan (None: its recurrent layers roll back by snapshot only). `stack`: the layer's
+    KVStack when the cache is lane `row` of a batch (key/value layers only)."""
     kind = type(cache)
+    if stack is not None and (kind is KVCache or (kind is RotatingKVCache and cache.keep == 0)):
+        return LaneKVCache(tree_pass, stack, row, cache.max_size if kind is RotatingKVCache else None)
     if kind is KVCache:
         return TreeKVCache(tree_pass)
     if kind is RotatingKVCache and cache.keep == 0:
@@ -181,14 +254,16 @@ class ModelCache:
     """All of a model's wrapped caches, and what a pass needs of them: the cached length, a
     snapshot before a pass, keeping the accepted rows after it, trimming to a shared prefix."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, stacks: list[KVStack] | None = None, row: int = 0):
+        """stacks: one KVStack per layer cache when these are lane `row` of a batch (batch.py)."""
         self.family = model_family(model)
         self.tree_pass = attach_tree_pass(model)
         attention.install(model_modules(model))
         activations.install(model_modules(model))
         raw = make_prompt_cache(model)
         self.capture = plan(model, count(raw))  # None: recurrent layers are undone by snapshot only
-        self.layers = [wrap(c, self.tree_pass, self.family, self.capture) for c in raw]
+        stacks = stacks or [None] * len(raw)
+        self.layers = [wrap(c, self.tree_pass, self.family, self.capture, k, row) for c, k in zip(raw, stacks)]
         leaves = list(_leaves(self.layers))
         self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
         self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]

@@ -41,7 +41,9 @@ def free_port() -> int:
 def launch(kind: str, folder: Path, port: int, parallel: int, cache: str) -> subprocess.Popen:
     env = {**os.environ, "XDG_CACHE_HOME": cache}
     if kind == "mlx-lm":
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
+        # cacheback_mlx first: MLX's CPU matmuls then run on OpenBLAS, as ours do (blas.py)
+        cmd = [sys.executable, "-c", "import sys, cacheback_mlx; from mlx_lm.server import main; sys.argv[0] = "
+               "'mlx_lm.server'; main()", "--model", str(folder), "--port", str(port),
                "--decode-concurrency", "8", "--prompt-concurrency", "8"]
         env.pop("XDG_CACHE_HOME")
     else:
@@ -64,20 +66,20 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
     raise SystemExit(f"{url} not ready")
 
 
-def chat(url: str, text: str, max_tokens: int) -> tuple[str, int, float]:
+def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, float]:
     t0 = time.perf_counter()
     r = httpx.post(f"{url}/v1/chat/completions", timeout=1200,
-                   json={"model": "default", "messages": [{"role": "user", "content": text}],
+                   json={"model": model, "messages": [{"role": "user", "content": text}],
                          "max_tokens": max_tokens, "temperature": 0.0})
     r.raise_for_status()
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], time.perf_counter() - t0
 
 
-def clients(url: str, texts: list[str], max_tokens: int) -> tuple[list, float]:
+def clients(url: str, texts: list[str], max_tokens: int, model: str) -> tuple[list, float]:
     out = [None] * len(texts)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, chat(url, texts[i], max_tokens)))
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, chat(url, texts[i], max_tokens, model)))
                for i in range(len(texts))]
     for t in threads:
         t.start()
@@ -93,6 +95,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="301")
     ap.add_argument("--servers", default="ours auto,ours none,mlx-lm")
     ap.add_argument("--parallel", type=int, default=0, help="our lanes (0: as many as the most clients)")
+    ap.add_argument("--dump", default=None, help="write every answer's text here (JSON)")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -109,12 +112,16 @@ def main(argv=None) -> None:
         proc = launch(kind, folder, port, parallel, tempfile.mkdtemp(dir=work))
         try:
             wait_ready(url, proc)
-            clients(url, ["Say hello.", "Count to three."], 8)  # warm-up
+            model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
+            clients(url, ["Say hello.", "Count to three."], 8, model)  # warm-up
             for key, texts in samples.items():
-                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens)
+                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model)
         finally:
             proc.terminate()
             proc.wait(30)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({f"{k}|{c}|{s}": [o[0] for o in outs] for k, runs in results.items()
+                                               for (c, s), (outs, _) in runs.items()}, indent=1))
     ref = results.get("mlx-lm", {})
     print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}")
     print("| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as mlx-lm |")
