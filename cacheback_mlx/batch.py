@@ -270,27 +270,59 @@ def check_sharing(engine: Engine) -> str | None:
     return None
 
 
-def share(sizer: Sizer | None, offers: list[tuple[int, np.ndarray]], context: int) -> list[int]:
+class LaneCosts:
+    """What a shared pass costs on this machine, by the lanes in it: per lane count (and 1,024
+    cached tokens), a line, seconds = a + b * (rows past one a lane), fitted to the passes run,
+    recent ones weighing more. It starts from the sizer's price of a solo pass of as many rows,
+    which a shared pass exceeds (each lane attends over its own cache), by more per extra row
+    than per lane: only what was measured can say by how much."""
+
+    DECAY = 0.97  # weight of a pass after each later one
+    PRIOR = 0.05  # weight of each of the sizer's two points, always in the fit (they give the slope
+    # until passes of several sizes were run)
+
+    def __init__(self, sizer: Sizer):
+        self.sizer = sizer
+        self.fits: dict[tuple[int, int], np.ndarray] = {}  # (lanes, context band) -> sums w, x, y, xx, xy
+
+    def line(self, lanes: int, context: int) -> tuple[float, float]:
+        """(a, b) of the pass cost for `lanes` lanes at about `context` cached tokens."""
+        band = context // 1024
+        sums = self.fits.get((lanes, band), np.zeros(5))
+        x0, x1 = 0.0, 2.0 * lanes  # the prior: a solo pass of `lanes` rows, and of 3 rows a lane
+        c = band * 1024
+        y0, y1 = self.sizer.price(lanes, c), self.sizer.price(lanes + int(x1), c)
+        w, sx, sy, sxx, sxy = sums + self.PRIOR * np.array([2, x0 + x1, y0 + y1, x0 * x0 + x1 * x1, x0 * y0 + x1 * y1])
+        b = max((w * sxy - sx * sy) / max(w * sxx - sx * sx, 1e-12), 1e-9)
+        return max((sy - b * sx) / w, 1e-6), b
+
+    def timed(self, lanes: int, context: int, extra: int, seconds: float) -> None:
+        """A shared pass of `lanes` lanes and `extra` rows past one a lane took `seconds`."""
+        key = (lanes, context // 1024)
+        sums = self.fits.get(key, np.zeros(5)) * self.DECAY
+        self.fits[key] = sums + np.array([1.0, extra, seconds, extra * extra, extra * seconds])
+
+
+def share(offers: list[tuple[int, np.ndarray]], line: tuple[float, float] | None) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
     the count taken is the one with the most expected tokens per second of the whole pass, by
-    the sizer's cost of a pass of that many rows (padded where more rows cost less; `context`:
-    the lanes' mean cached tokens). Without a sizer (a fixed budget) every lane sends all it
-    offered."""
-    if sizer is None:
+    `line` (LaneCosts.line: seconds = a + b * rows past one a lane). Without one (a fixed
+    budget) every lane sends all it offered."""
+    if line is None:
         return [len(s) for _, s in offers]
-    base = sum(lead for lead, _ in offers)
-    costs = sizer.costs(context)
+    a, b = line
+    extra = sum(lead - 1 for lead, _ in offers)  # leads longer than their root
     heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
     heapq.heapify(heap)
     order, expected = [], [float(len(offers))]
-    while heap and base + len(order) + 1 < len(costs):
+    while heap and len(order) < Sizer.MAX_ROWS:
         neg, i, j = heapq.heappop(heap)
         order.append(i)
         expected.append(expected[-1] + min(max(-neg, 0.0), 1.0))
         if j + 1 < len(offers[i][1]):
             heapq.heappush(heap, (-float(offers[i][1][j + 1]), i, j + 1))
-    k = int(np.argmax(np.array(expected) / costs[base : base + len(expected)]))
+    k = int(np.argmax(np.array(expected) / (a + b * (extra + np.arange(len(expected))))))
     counts = [0] * len(offers)
     for i in order[:k]:
         counts[i] += 1
@@ -330,6 +362,7 @@ class Batch:
         self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
         self.clock = 0  # requests started (which lane was used longest ago)
+        self.costs = LaneCosts(engine.sizer) if engine.sizer is not None else None  # None: a fixed budget
 
     def _new_stacks(self) -> list[KVStack] | None:
         return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
@@ -432,18 +465,18 @@ class Batch:
             seq = lane.seq
             limit = min(lane.max_tokens - len(lane.tokens) - 1,
                         eng.context_length - len(seq.cached) - len(seq.lead) - 1)
-            budget = eng.planner.draft_cap(len(seq.lead), len(seq.cached), limit)
-            tree = DraftTree.empty()
-            if budget > 0:
-                tree = lane.drafter.propose(seq.history, budget, max_branching=eng.max_branching)
-                tree = tree.truncate(budget).keep_valid(eng.vocab_size)
-                if eng.chain_reason and not tree.is_chain():
-                    tree = tree.first_path()
+            tree = eng.draft(lane.drafter, seq.history, eng.planner.draft_cap(len(seq.lead), len(seq.cached), limit))
             offers.append(lane.sizer.offer(tree, len(seq.lead)) if lane.sizer and len(tree) else (tree, None, None))
         # plan: the pass's rows shared out among every lane's drafts
         context = sum(len(lane.seq.cached) for lane in lanes) // len(lanes)
-        counts = share(eng.sizer, [(len(lane.seq.lead), s if s is not None else np.ones(len(t)))
-                                   for lane, (t, s, _) in zip(lanes, offers)], context)
+        asked = [(len(lane.seq.lead), s if s is not None else np.ones(len(t)))
+                 for lane, (t, s, _) in zip(lanes, offers)]
+        if self.costs is None:
+            counts = share(asked, None)
+        elif self.reason is None:  # one pass for all
+            counts = share(asked, self.costs.line(len(lanes), context))
+        else:  # a pass each
+            counts = [share([a], self.costs.line(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
         trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
                  for lane, (t, s, cells), k in zip(lanes, offers, counts)]
         draft_s = time.perf_counter() - t0
@@ -459,8 +492,8 @@ class Batch:
         picks = [lane.pick(x) for lane, x in zip(lanes, logits)]
         mx.eval(picks)
         seconds = time.perf_counter() - t0
-        if eng.sizer is not None and self.reason is None:
-            eng.sizer.timed(sum(p[3] for p in passes), context, seconds)
+        if self.costs is not None and self.reason is None:
+            self.costs.timed(len(lanes), context, sum(p[3] for p in passes) - len(lanes), seconds)
         self.passes += 1
         # accept, roll back and update each lane
         out = []

@@ -350,6 +350,15 @@ class Engine:
         self.slots.clear()
         self.slots = Slots(n, self.seq, max_bytes)
 
+    def draft(self, drafter: Drafter, history: list[int], budget: int) -> DraftTree:
+        """The drafter's tree after `history`: at most `budget` nodes, ids this model has, a chain
+        where the model takes only chains."""
+        if budget <= 0:
+            return DraftTree.empty()
+        tree = drafter.propose(history, budget, max_branching=self.max_branching)
+        tree = tree.truncate(budget).keep_valid(self.vocab_size)
+        return tree.first_path() if self.chain_reason and not tree.is_chain() else tree
+
     def check(self, prompt: Seq[int], max_tokens: int = 1) -> list[int]:
         """The prompt as ints, or a one-line CachebackError saying why it cannot run."""
         prompt = [int(t) for t in prompt]
@@ -415,12 +424,7 @@ class Engine:
                                             min(max_tokens - stats.tokens - 1,
                                                 self.context_length - len(seq.cached) - len(lead) - 1))
                     t0 = time.perf_counter()
-                    tree = DraftTree.empty()
-                    if budget > 0:
-                        tree = self.drafter.propose(seq.history, budget, max_branching=self.max_branching)
-                        tree = tree.truncate(budget).keep_valid(self.vocab_size)
-                        if self.chain_reason and not tree.is_chain():
-                            tree = tree.first_path()
+                    tree = self.draft(self.drafter, seq.history, budget)
                     tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
                     # verify: lead + draft in one pass

@@ -1,7 +1,7 @@
 """Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
-from cacheback_mlx.batch import Batch, check_sharing, share
+from cacheback_mlx.batch import Batch, LaneCosts, check_sharing, share
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
@@ -111,15 +111,50 @@ def test_a_sampled_lane_alone_samples_as_its_solo_run():
 
 
 def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
-    sizer = Sizer(CostTable({256: CURVE}))
+    line = (1.0, 0.02)  # a pass: 1 s, and 0.02 s per row past one a lane
     sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])
-    counts = share(sizer, [(1, sure), (1, unsure), (1, np.zeros(0))], 256)
+    counts = share([(1, sure), (1, unsure), (1, np.zeros(0))], line)
     assert counts[0] == 4 and counts[1] == 0 and counts[2] == 0
-    assert share(None, [(1, sure), (1, unsure)], 256) == [4, 2]  # a fixed budget: all that was offered
+    assert share([(1, sure), (1, unsure)], None) == [4, 2]  # a fixed budget: all that was offered
     # nothing worth a row: every lane runs its root only
-    assert share(sizer, [(1, np.full(5, 0.01)), (1, np.full(3, 0.01))], 256) == [0, 0]
+    assert share([(1, np.full(5, 0.01)), (1, np.full(3, 0.01))], line) == [0, 0]
+    assert share([(1, sure)], (1.0, 2.0)) == [0]  # rows dearer than what they bring
+
+
+def test_the_cost_of_a_shared_pass_is_learned_from_the_passes_run():
+    costs = LaneCosts(Sizer(CostTable({256: CURVE})))
+    a0, b0 = costs.line(8, 300)
+    for extra, seconds in [(0, 0.14), (8, 0.17), (24, 0.21), (0, 0.14), (16, 0.19)] * 20:
+        costs.timed(8, 300, extra, seconds)
+    a, b = costs.line(8, 300)
+    assert a == pytest.approx(0.14, rel=0.05) and b == pytest.approx(0.003, rel=0.2)
+    assert (a, b) != (a0, b0) and costs.line(4, 300) != (a, b)  # per lane count
 
 
 def test_the_sharing_check_names_why_lanes_take_turns():
     eng = Engine(zoo.tiny_model("mamba"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
     assert check_sharing(eng) == "recurrent layers"
+
+
+def test_sampled_lanes_keep_the_models_distribution():
+    """Two lanes sampling side by side (top-k 4, temperature 1): the first token's frequencies over
+    many requests match the model's own distribution."""
+    import mlx.core as mx
+
+    model = zoo.tiny_model("llama")
+    known = streams(model)
+    prompt = PROMPTS[1]
+    logits = model(mx.array(prompt)[None])[0, -1]
+    top = np.argsort(-np.array(logits))[:4]
+    p = np.exp(np.array(logits)[top] - np.array(logits)[top].max())
+    p /= p.sum()
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=6)
+    batch = Batch(eng, 2, lambda: KnownStreamsDrafter(known, seed=9))
+    mx.random.seed(11)
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    counts = {int(t): 0 for t in top}
+    for _ in range(300):
+        for lane in batch.run([dict(prompt=prompt, max_tokens=2, sampling=sampling)] * 2):
+            counts[lane.tokens[0]] += 1
+    freq = np.array([counts[int(t)] for t in top]) / 600
+    assert np.abs(freq - p).sum() / 2 < 0.08, (freq, p)

@@ -115,3 +115,39 @@ def test_bad_requests_in_lanes_are_4xx(servers):
     assert r.status_code == 400
     r = httpx.post(f"{lanes}/completion", json={"prompt": [99999], "n_predict": 4}, timeout=60)
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+
+
+def test_a_long_prefill_in_lanes_holds_no_one_hostage(tmp_path):
+    """A 6,000-token prompt prefills a chunk at a time: a short request sent meanwhile is answered
+    long before it ends, and the long one then finishes as it would alone."""
+    from cacheback_mlx.engine import Engine
+
+    from test_hostage import CHUNK, LONG, SlowPrefill
+
+    path = tmp_path / "long.gguf"
+    write_tiny_gguf(path, context=8192, fim=True, seed=3)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Engine, "prefill_chunk", CHUNK)
+    try:
+        session = Session(str(path), "ngram")
+        session.engine.set_sizer(SlowPrefill(session.pass_cost()))
+        server, thread, url = start(session, parallel=2)
+        done = {}
+
+        def long():
+            done["long"] = httpx.post(f"{url}/completion", json={"prompt": LONG, "n_predict": 4}, timeout=120)
+            done["long_at"] = time.perf_counter()
+
+        t = threading.Thread(target=long)
+        t0 = time.perf_counter()
+        t.start()
+        time.sleep(0.5)
+        short = httpx.post(f"{url}/completion", json={"prompt": [9, 10, 11], "n_predict": 2}, timeout=120)
+        short_at = time.perf_counter()
+        t.join()
+        assert short.status_code == 200 and done["long"].status_code == 200
+        assert short_at - t0 < (done["long_at"] - t0) / 2  # answered while the long prefill went on
+        server.should_exit = True
+        thread.join(5)
+    finally:
+        mp.undo()

@@ -66,14 +66,16 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
     raise SystemExit(f"{url} not ready")
 
 
-def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, float]:
+def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, float, int]:
+    """(the answer, its tokens, seconds, the prompt's tokens)."""
     t0 = time.perf_counter()
     r = httpx.post(f"{url}/v1/chat/completions", timeout=1200,
                    json={"model": model, "messages": [{"role": "user", "content": text}],
                          "max_tokens": max_tokens, "temperature": 0.0})
     r.raise_for_status()
     body = r.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], time.perf_counter() - t0
+    return (body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], time.perf_counter() - t0,
+            body["usage"]["prompt_tokens"])
 
 
 def clients(url: str, texts: list[str], max_tokens: int, model: str) -> tuple[list, float]:
@@ -120,8 +122,9 @@ def main(argv=None) -> None:
             proc.terminate()
             proc.wait(30)
     if args.dump:
-        Path(args.dump).write_text(json.dumps({f"{k}|{c}|{s}": [o[0] for o in outs] for k, runs in results.items()
-                                               for (c, s), (outs, _) in runs.items()}, indent=1))
+        answers = {f"{k}|{c}|{s}": [(o[0], o[3]) for o in outs]  # (text, prompt tokens)
+                   for k, runs in results.items() for (c, s), (outs, _) in runs.items()}
+        Path(args.dump).write_text(json.dumps(answers, indent=1))
     ref = results.get("mlx-lm", {})
     print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}")
     print("| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as mlx-lm |")

@@ -138,8 +138,8 @@ class BatchRunner:
                         self.running = False
                         self.active = 0
                         return
-                for e in joining:
-                    self._join(batch, e, running)
+                for e in sorted(joining, key=lambda e: len(e.job.ids)):  # short prompts first: they start at
+                    self._join(batch, e, running)  # once, and a long one then prefills a chunk per pass
                 for e in list(running.values()):  # clients that went away, a server that stops
                     if e.cancel or gen.stopping.is_set():
                         batch.leave(e.lane)
@@ -170,8 +170,8 @@ class BatchRunner:
         between chunks, it waits at the head of the queue and goes on from the chunks done)."""
         gen, job = self.gen, e.job
 
-        def stop() -> bool:
-            return e.cancel or gen.stopping.is_set() or bool(batch.lanes)
+        def stop() -> bool:  # between chunks: let running lanes make a pass, waiting requests join
+            return e.cancel or gen.stopping.is_set() or bool(batch.lanes) or bool(self.pending)
 
         if e.cancel or gen.stopping.is_set():
             e.send(None)
