@@ -127,6 +127,7 @@ class BatchRunner:
         """The batch loop, on the model's worker thread, until no job is waiting or running."""
         gen = self.gen
         running: dict[int, Entry] = {}
+        batch = None
         try:
             batch = gen.session.batch(self.lanes)
             while True:
@@ -163,6 +164,8 @@ class BatchRunner:
                 self.running = False
             for e in left:
                 e.send(err)
+                if batch is not None and e.lane is not None and not isinstance(e.lane, int):
+                    batch.leave(e.lane)
             raise
 
     def _join(self, batch, e: Entry, running: dict) -> None:
