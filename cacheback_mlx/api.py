@@ -258,7 +258,15 @@ class Session:
         """The texts of several generations run together (generate_ids_batch)."""
         ids = [self.encode(p, chat=chat, system=system) for p in prompts]
         done = self.generate_ids_batch(ids, max_tokens, SamplingParams(**sampling), lanes)
-        return [self.tokenizer.decode(lane.tokens) for lane in done]
+        return [self.text_of(lane.tokens) for lane in done]
+
+    def text_of(self, tokens: Sequence[int]) -> str:
+        """The text of generated tokens, as streaming them gives it (the model's detokenizer)."""
+        detok = self.tokenizer.detokenizer
+        for t in tokens:
+            detok.add_token(t)
+        detok.finalize()
+        return detok.text
 
 
 def stream_generate(prompt: str | Sequence[dict], model: str | LoadedModel | None = None,

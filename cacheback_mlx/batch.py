@@ -400,6 +400,7 @@ class Batch:
         seq.used = self.clock
         t0 = time.perf_counter()
         keep = seq.cache.trim(common_prefix(seq.cached, prompt[:-1]))
+        keep = self._copy_prefix(i, prompt[:-1], keep)
         done = prefill(self.model, seq.cache, prompt[keep:-1], eng.chunk_rule(), timed=eng.planner.prefilled, stop=stop)
         seq.cached = prompt[: keep + done]
         if keep + done < len(prompt) - 1:
@@ -409,6 +410,27 @@ class Batch:
         stats.prefill_tokens, stats.prefill_s = len(prompt) - 1 - keep, time.perf_counter() - t0
         seq.history = start_request(self.drafters[i], seq.history, prompt, context, seq.learned)
         return i, stats
+
+    def _copy_prefix(self, i: int, prompt: list[int], keep: int) -> int:
+        """Where another lane's caches hold a longer prefix of the prompt than lane i's `keep`
+        tokens (a request's several completions, clients that share a system prompt), copy it
+        over (one copy a layer, in the stack) instead of prefilling it; the length now held."""
+        if self.stacks is None:
+            return keep
+        best, j = keep, None
+        for k, other in enumerate(self.seqs):
+            if k != i and other is not None:
+                n = min(common_prefix(other.cached, prompt), other.cache.length)
+                if n > best:
+                    best, j = n, k
+        if j is None:
+            return keep
+        for stack in self.stacks:
+            stack.keys[i : i + 1, :, :best] = stack.keys[j : j + 1, :, :best]
+            stack.values[i : i + 1, :, :best] = stack.values[j : j + 1, :, :best]
+        self.seqs[i].cache.take_length(best)
+        self.seqs[i].cached = prompt[:best]
+        return best
 
     def join(self, prompt: Seq[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
              context=(), stop=None, fresh: bool = False) -> Lane:

@@ -363,6 +363,16 @@ class ModelCache:
         if self.capture is not None:
             self.capture.stop()
 
+    def take_length(self, length: int) -> None:
+        """Its key/value layers now hold `length` positions, written into them from outside (a
+        batch's lane given another lane's prefix, batch.Batch); only for key/value layers."""
+        if self.recurrent:
+            raise CachebackError("recurrent states cannot be copied between sequences")
+        for c in self.kv:
+            c.offset = length
+        self.length = length
+        self.in_pass = False
+
     def advance(self, n: int) -> None:
         """n tokens went in whole (a prefill)."""
         self.length += n

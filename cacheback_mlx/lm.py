@@ -174,6 +174,6 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
     if verbose:
         print(f"[batch_generate] {len(ids)} prompts, {tokens} tokens in {seconds:.2f} s "
               f"({stats['generation_tps']:.1f} tokens-per-sec, {batch.passes} passes)")
-    return BatchResponse([tokenizer.decode(lane.tokens) for lane in done], stats,
+    return BatchResponse([session.text_of(lane.tokens) for lane in done], stats,
                          token_ids=[lane.tokens for lane in done] if return_token_ids else None)
 

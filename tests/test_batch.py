@@ -158,3 +158,20 @@ def test_sampled_lanes_keep_the_models_distribution():
             counts[lane.tokens[0]] += 1
     freq = np.array([counts[int(t)] for t in top]) / 600
     assert np.abs(freq - p).sum() / 2 < 0.08, (freq, p)
+
+
+def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it():
+    """Three completions of one prompt (llama.vscode's n_cmpl): the first lane prefills it, the
+    others copy its caches; every output is the solo one."""
+    model = zoo.tiny_model("gemma3_text")  # sliding-window layers too
+    prompt = PROMPTS[2]
+    truth = reference(model, prompt, 10)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=6)
+    batch = Batch(eng, 3, lambda: KnownStreamsDrafter([(prompt, truth)], seed=2))
+    lanes = [batch.join(prompt, 10) for _ in range(3)]
+    assert [lane.stats.prefill_tokens for lane in lanes] == [len(prompt) - 1, 0, 0]
+    while batch.lanes:
+        batch.step()
+    assert all(lane.tokens == truth for lane in lanes)
+    other = batch.run([dict(prompt=prompt[:20] + [5, 6, 7], max_tokens=6)])[0]  # a shorter shared prefix
+    assert other.tokens == reference(model, prompt[:20] + [5, 6, 7], 6) and other.stats.prefill_tokens == 2

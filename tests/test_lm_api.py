@@ -62,3 +62,33 @@ def test_unsupported_arguments_get_a_clear_error(tiny):
         next(lm.stream_generate(model, tokenizer, "a", sampler=lambda x: x))
     with pytest.raises(CachebackError, match="unsupported"):
         next(lm.stream_generate(model, tokenizer, "a", frobnicate=1))
+
+
+def test_batch_generate_gives_each_prompt_what_mlx_lm_gives_it_alone(tiny):
+    model, tokenizer = tiny
+    prompts = ["abcabcabc abc", "hello hello", "x = 1\nx = 2\n"]
+    ids = [tokenizer.encode(p) for p in prompts]
+    r = lm.batch_generate(model, tokenizer, ids, max_tokens=[16, 8, 12], return_token_ids=True)
+    want = ["".join(x.text for x in mlx_stream(model, tokenizer, p, max_tokens=n))
+            for p, n in zip(prompts, [16, 8, 12])]
+    assert r.texts == want and all(len(t) <= n for t, n in zip(r.token_ids, [16, 8, 12]))
+    assert r.stats["generation_tokens"] == sum(len(t) for t in r.token_ids)
+    assert lm.batch_generate(model, tokenizer, prompts, max_tokens=[16, 8, 12]).texts == want  # text prompts
+    with pytest.raises(CachebackError, match="limits for"):
+        lm.batch_generate(model, tokenizer, ids, max_tokens=[4, 4])
+    with pytest.raises(CachebackError, match="unknown arguments"):
+        lm.batch_generate(model, tokenizer, ids, max_tokens=4, sampler=None)
+
+
+def test_session_generate_batch_equals_its_generate(tmp_path):
+    from cacheback_mlx.api import Session
+
+    path = tmp_path / "b.gguf"
+    write_tiny_gguf(path, context=512, seed=2)
+    session = Session(str(path), "ngram")
+    prompts = ["abcabcabc abc", "hello hello", "x = 1\nx = 2\n"]
+    alone = []
+    for p in prompts:
+        session.reset()
+        alone.append(session.generate(p, 12, chat=False))
+    assert session.generate_batch(prompts, 12, chat=False, lanes=2) == alone
