@@ -144,3 +144,21 @@ def test_two_sequences_in_slots_are_lossless_on_the_default_model(default_model,
         out = [t for s in eng.generate(turn, N - half) for t in s]
         assert out == truth[half:]
         assert eng.stats.prefill_tokens <= 1  # the previous reply's last token at most
+
+
+def test_requests_in_one_batch_are_lossless_on_the_default_model(default_model, plain_outputs):
+    """Every prompt, and the first one again, as lanes of one batch with `auto` (passes shared,
+    the repeat takes the first one's prefix): each lane's output is plain greedy decoding's."""
+    from cacheback_mlx.batch import Batch
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import PriorCost
+
+    eng = Engine(default_model.model, [], make_drafter("none"), default_model.context_length)
+    eng.set_sizer(Sizer(PriorCost.for_model(default_model.model, eng.buckets)))
+    batch = Batch(eng, 3, lambda: make_drafter("auto", persist=False))
+    assert batch.reason is None
+    runs = list(plain_outputs.values())
+    runs.append(runs[0])
+    lanes = batch.run([dict(prompt=ids, max_tokens=N // 2) for ids, _ in runs])
+    assert [lane.tokens for lane in lanes] == [truth[: N // 2] for _, truth in runs]
+    assert lanes[-1].stats.prefill_tokens == 0
