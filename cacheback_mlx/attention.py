@@ -133,7 +133,7 @@ def _usable(queries, keys, cache, sinks, mask) -> bool:
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with cpu_attention where it applies; a pass
-    several sequences share attends sequence by sequence (batch.LaneView.attend)."""
+    several sequences share goes to shared_pass.LaneView.attend."""
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, scale, mask, sinks)

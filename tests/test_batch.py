@@ -1,13 +1,14 @@
 """Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
-from cacheback_mlx.batch import Batch, LaneCosts, check_sharing, share
+from cacheback_mlx.batch import Batch, LaneCosts, share
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.sampling import SamplingParams
+from cacheback_mlx.shared_pass import check_sharing
 
 import numpy as np
 import pytest

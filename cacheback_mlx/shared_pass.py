@@ -1,0 +1,250 @@
+"""One forward pass over several sequences (a batch's lanes), each with its own lead, draft
+tree, positions, mask and caches (batch.py decides what runs; this file runs it).
+
+The lanes' rows are laid end to end, so the model's matmuls read the weights once for all of them.
+RoPE gives every row its own absolute position (TreePass.rel, offset 0). Each layer gets a
+LaneView for a cache: it writes each lane's new keys and values into that lane's caches and, when
+attention asks (attention.py calls `attend`), attends lane by lane, or all lanes at once where
+their caches are rows of one KVStack, each lane masked to its own positions. check_sharing runs a
+shared pass against passes of their own on the model before lanes may share.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import activations, attention
+from .engine import Engine
+from .kvcache import KVStack, LaneKVCache, ModelCache, TreeKVCache
+from .positions import TreePass
+from .tree import DraftTree
+from .verify import prefill, tree_layout, verify_pass
+
+TOLERANCE = 1e-3  # check_sharing: largest difference of a logit, relative to the largest logit
+
+
+class NotShared(Exception):
+    """A model's attention did not go through the lanes' views (its lanes take turns)."""
+
+
+class LaneMask:
+    """The mask a LaneView hands the model: each lane's own is made at attention time."""
+
+    def __init__(self, window_size: int | None):
+        self.window_size = window_size
+
+
+class PassPlan:
+    """What every layer of a shared pass uses alike: each lane's rows, layout and positions before
+    the pass, and, for lanes that are rows of one KVStack, where each row goes in the stacked
+    queries [lanes, rows, ...] and each lane's mask over the stack, made once per window."""
+
+    def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
+        self.spans, self.layouts = spans, layouts
+        self.before = [c.length for c in caches]  # each lane's positions before this pass
+        first = [c.layers[0] for c in caches]
+        self.rows_of = [c.row for c in first] if all(isinstance(c, LaneKVCache) for c in first) else None
+        self.masks: dict = {}
+        if self.rows_of is not None and len(set(self.rows_of)) == len(caches):
+            lanes = first[0].stack.lanes
+            self.width = max(b - a for a, b in spans)
+            gather = np.zeros((lanes, self.width), np.int32)  # flat row of each (lane, row); padding: 0
+            back = np.zeros(spans[-1][1], np.int32)
+            for r, (a, b) in zip(self.rows_of, spans):
+                gather[r, : b - a] = np.arange(a, b)
+                back[a:b] = r * self.width + np.arange(b - a)
+            self.gather, self.back = mx.array(gather.reshape(-1)), mx.array(back)
+        else:
+            self.rows_of = None
+
+    def stacked_mask(self, caches: list[LaneKVCache], window_size: int | None, keys: int) -> mx.array:
+        """[lanes, 1, width, keys] bool: each lane's own mask (its rows over its positions), every
+        other place False; rows of no lane see one key (their output is dropped)."""
+        key = (window_size, caches[0].window, keys)
+        if key not in self.masks:
+            lanes, width = caches[0].stack.lanes, self.width
+            idle = mx.arange(keys)[None].astype(mx.int32) == mx.zeros((width, 1), mx.int32)  # key 0 only
+            out = [idle] * lanes
+            for c, r, (a, b), tp, before in zip(caches, self.rows_of, self.spans, self.layouts, self.before):
+                t = b - a
+                m = dense_mask(c.mask_at(before, t, tp, window_size), t, before + t)
+                out[r] = _pad(_pad(m, 1, keys), 0, width, True)
+            self.masks[key] = mx.stack(out)[:, None]
+        return self.masks[key]
+
+
+class LaneView:
+    """One layer's caches of every lane in a shared pass, behind mlx-lm's cache interface: new
+    keys and values go to each lane's own cache, and attention (attention.py calls `attend`) runs
+    over all lanes at once when they are rows of one KVStack, else lane by lane."""
+
+    offset = 0  # the pass's rows carry their absolute positions (TreePass.rel), RoPE adds this
+
+    def __init__(self, caches: list[TreeKVCache], plan: PassPlan):
+        self.caches, self.plan = caches, plan
+        self.fetched: list | None = None
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> LaneMask:
+        return LaneMask(window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        plan = self.plan
+        if plan.rows_of is not None and len(self.caches) > 1:  # every lane's rows into the stack at once
+            stack = self.caches[0].stack
+            stack.reserve(max(p + b - a for p, (a, b) in zip(plan.before, plan.spans)), keys, values)
+            for c, (a, b) in zip(self.caches, plan.spans):  # (no view of the stack is kept meanwhile,
+                r, p = c.row, c.offset  # so each write is done in place)
+                stack.keys[r : r + 1, :, p : p + b - a, :] = keys[:, :, a:b]
+                stack.values[r : r + 1, :, p : p + b - a, :] = values[:, :, a:b]
+                c.offset += b - a
+            self.fetched = []
+            return keys, values
+        self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
+                        for c, (a, b) in zip(self.caches, plan.spans)]
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        if not isinstance(mask, LaneMask) or self.fetched is None:
+            raise NotShared("the model's attention does not take the lanes' masks")
+        plan = self.plan
+        if plan.rows_of is not None and len(self.caches) > 1:
+            return self._stacked(queries, scale, mask.window_size, sinks)
+        out = []
+        for c, (a, b), tp, before, (k, v) in zip(self.caches, plan.spans, plan.layouts, plan.before, self.fetched):
+            lane_mask = c.mask_at(before, b - a, tp, mask.window_size)
+            out.append(attention.scaled_dot_product_attention(queries[:, :, a:b], k, v, c, scale, lane_mask, sinks))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+    def _stacked(self, queries: mx.array, scale: float, window_size: int | None, sinks) -> mx.array:
+        """Every lane in one attention: queries gathered [lanes, heads, width, dim] against the
+        stack's keys up to the longest lane, each lane masked to its own positions."""
+        plan, stack = self.plan, self.caches[0].stack
+        keys = max(c.offset for c in self.caches)
+        _, H, _, D = queries.shape
+        q = queries[0][:, plan.gather].reshape(H, stack.lanes, plan.width, D).transpose(1, 0, 2, 3)
+        out = attention.scaled_dot_product_attention(q, stack.keys[:, :, :keys], stack.values[:, :, :keys],
+                                                     self.caches[0], scale,
+                                                     plan.stacked_mask(self.caches, window_size, keys), sinks)
+        flat = out.transpose(1, 0, 2, 3).reshape(H, stack.lanes * plan.width, D)
+        return flat[:, plan.back][None]
+
+
+def _pad(x: mx.array, axis: int, size: int, value=False) -> mx.array:
+    """x padded at the end of `axis` to `size` (zeros; a bool mask: `value`)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = extra
+    fill = mx.full(shape, value, mx.bool_) if x.dtype == mx.bool_ else mx.zeros(shape, x.dtype)
+    return mx.concatenate([x, fill], axis=axis)
+
+
+def dense_mask(mask, rows: int, keys: int) -> mx.array:
+    """A mask as mlx-lm hands it to attention (None, "causal" or an array) as bool [rows, keys]."""
+    if mask is None:
+        return mx.ones((rows, keys), mx.bool_)
+    if isinstance(mask, str):
+        return mx.arange(keys)[None] <= mx.arange(keys - rows, keys)[:, None]
+    if mask.dtype != mx.bool_:
+        return mask > -mx.inf
+    return mask.reshape(rows, keys)
+
+
+def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]) -> list[mx.array]:
+    """ONE pass over every lane's lead + tree (padded to its rows); per lane, the logits of its
+    root and nodes (verify_pass's). Each lane's caches then hold its rows past their old length,
+    as after verify_pass; ModelCache.finish_pass keeps the accepted ones."""
+    tokens, positions, spans, layouts, start = [], [], [], [], 0
+    for cache, lead, tree, rows in passes:
+        n = len(lead) + len(tree)
+        row_tokens = np.zeros(rows, np.int32)
+        row_tokens[: len(lead)], row_tokens[len(lead) : n] = lead, tree.tokens
+        layout = TreePass()
+        if tree.is_chain():
+            rel = np.arange(rows, dtype=np.int32)
+        else:
+            rel, in_pass = tree_layout(tree, len(lead), rows)
+            layout.rel, layout.in_pass = mx.array(rel), mx.array(in_pass)
+        tokens.append(row_tokens)
+        positions.append(cache.length + rel)
+        spans.append((start, start + rows))
+        layouts.append(layout)
+        start += rows
+    caches = [p[0] for p in passes]
+    for c in caches:
+        c.begin_pass()
+    plan = PassPlan(caches, spans, layouts)
+    views = [LaneView([c.layers[j] for c in caches], plan) for j in range(len(caches[0].layers))]
+    tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
+    tree_pass.set(mx.array(np.concatenate(positions)), None)
+    try:
+        with activations.engine_pass():
+            logits = model(mx.array(np.concatenate(tokens))[None], cache=views)
+    finally:
+        tree_pass.clear()
+    return [logits[0, a + len(lead) - 1 : a + len(lead) + len(tree)]
+            for (a, _), (_, lead, tree, _) in zip(spans, passes)]
+
+
+def sharing_reason(engine: Engine) -> str | None:
+    """Why lanes of this engine's model cannot share a pass (None: they can), from its structure;
+    check_sharing then tries one."""
+    cache = engine.seq.cache
+    if engine.chain_reason:
+        return engine.chain_reason
+    if cache.shared_layers:
+        return "layers without a cache of their own"
+    if not all(isinstance(c, TreeKVCache) for c in cache.layers):
+        return "layer caches that are not plain key/value caches"
+    if engine.peers is not None:
+        return "a model sharded over processes"
+    return None
+
+
+_checked: dict[int, tuple] = {}  # id(model) -> (model, check_sharing's answer)
+
+
+def sharing(engine: Engine) -> str | None:
+    """check_sharing's answer for the engine's model, checked once per model."""
+    model = engine.model
+    seen = _checked.get(id(model))
+    if seen is None or seen[0] is not model:
+        seen = _checked[id(model)] = (model, check_sharing(engine))
+    return seen[1]
+
+
+def check_sharing(engine: Engine) -> str | None:
+    """Run two small lanes (a chain and a tree, 7 and 12 rows) in one shared pass and each in a
+    pass of its own, on fresh caches: None when they agree, else why not. They agree to rounding,
+    not bits: a matmul's rows round differently with the number of rows (BLAS blocks them), as a
+    verify pass's rows already do against one-row steps; a wrong position or mask is far off."""
+    reason = sharing_reason(engine)
+    if reason:
+        return reason
+    model, vocab = engine.model, engine.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(20)], [(5 * i + 1) % vocab for i in range(9)]]
+    trees = [DraftTree([(i + 2) % vocab for i in range(4)], [-1, 0, 1, 2]),
+             DraftTree([(3 * i + 1) % vocab for i in range(8)], [-1, -1, 0, 0, 1, 3, 3, 5])]
+    leads = [p[-3:] for p in prompts]
+    try:
+        solo, shared = [], []
+        for runs in (solo, shared):
+            stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if runs is shared else None
+            caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
+            for c, p in zip(caches, prompts):
+                prefill(model, c, p[:-3])
+            passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
+            if runs is solo:
+                runs.extend(verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes)
+            else:
+                runs.extend(batch_pass(model, passes))
+            mx.eval(runs)
+    except (NotShared, TypeError, AttributeError, ValueError) as e:
+        return f"its attention cannot be shared ({type(e).__name__}: {e})"
+    for a, b in zip(solo, shared):
+        scale = max(1.0, mx.abs(a).max().item())
+        if mx.abs(a - b).max().item() > TOLERANCE * scale or not mx.array_equal(a.argmax(-1), b.argmax(-1)).item():
+            return "a shared pass differs from passes of its own beyond rounding"
+    return None
