@@ -275,8 +275,11 @@ def test_t_max_predict_ms_stops_generation_in_time(slow_server, monkeypatch):
     t = out["timings"]
     step_ms = t["predicted_ms"] / t["predicted_n"]
     assert out["stop_type"] == "limit" and 5 < t["predicted_n"] < 100
-    assert 250 <= t["predicted_ms"] <= 250 + 2 * step_ms
-    assert wall_ms <= t["prompt_ms"] + 250 + 2 * step_ms + 150  # + HTTP and thread hand-offs
+    # it stops at the first step past 250 ms (the whole reply would take ~30 s); on a busy machine
+    # one step may take longer than the mean, and HTTP and thread hand-offs some hundred ms
+    pause = 100
+    assert 250 <= t["predicted_ms"] <= 250 + 2 * step_ms + pause
+    assert wall_ms <= t["prompt_ms"] + 250 + 2 * step_ms + pause + 400
 
 
 def test_abandoned_request_frees_the_model(slow_server):
