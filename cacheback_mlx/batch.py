@@ -35,7 +35,7 @@ from .kvcache import KVStack, ModelCache
 from .learning import start_request
 from .sampling import SamplingParams, token_picker
 from .shared_pass import batch_pass, sharing
-from .slots import Sequence
+from .slots import Sequence, choose_sequence
 from .tree import DraftTree, common_prefix
 from .verify import padded_size, prefill, verify_pass
 
@@ -138,22 +138,11 @@ class Batch:
         return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
 
     def _free_lane(self, prompt: list[int]) -> int:
-        """The free lane for `prompt`, as slots.Slots chooses a slot: the one whose tokens share
-        the longest prefix with it, if that is at least half of the shorter of the two; else an
-        empty lane; else the one used longest ago."""
+        """The free lane for `prompt`, chosen as slots are (slots.choose_sequence)."""
         free = [i for i in range(self.n) if i not in self.lanes]
         if not free:
             raise CachebackError(f"all {self.n} lanes are busy")
-        best, reuse = None, 0
-        for i in free:
-            toks = self.seqs[i].cached if self.seqs[i] is not None else []
-            r = common_prefix(toks, prompt)
-            if r > reuse and 2 * r >= min(len(toks), len(prompt)):
-                best, reuse = i, r
-        if best is not None:
-            return best
-        empty = [i for i in free if self.seqs[i] is None or not self.seqs[i].cached]
-        return empty[0] if empty else min(free, key=lambda i: self.seqs[i].used)
+        return choose_sequence(self.seqs, prompt, free)
 
     def _enter(self, prompt: list[int], context, stop, fresh: bool) -> tuple[int, Stats]:
         """Take the free lane that reuses most of the prompt and bring its caches up to it but its

@@ -47,6 +47,25 @@ class Sequence:
         self.history, self.learned = [], set()
 
 
+def choose_sequence(seqs: list, prompt: list[int], among, prefer: int | None = None) -> int:
+    """Of the sequences `among` (indices into seqs; None: empty), the one for `prompt`: the one
+    whose cached tokens share the longest prefix with it, if that is at least half of the shorter
+    of the two; else an empty one (`prefer` if it is empty); else the one used longest ago (never
+    `prefer`). How slots and a batch's lanes (batch.py) choose."""
+    best, reuse = None, 0
+    for i in among:
+        toks = seqs[i].cached if seqs[i] is not None else []
+        r = common_prefix(toks, prompt)
+        if r > reuse and 2 * r >= min(len(toks), len(prompt)):
+            best, reuse = i, r
+    if best is not None:
+        return best
+    empty = [i for i in among if seqs[i] is None or not seqs[i].cached]
+    if empty:
+        return prefer if prefer in empty else empty[0]
+    return min((i for i in among if i != prefer), key=lambda i: seqs[i].used)
+
+
 class Slots:
     """The sequences of one engine, one per slot; `active` is the one the engine runs."""
 
@@ -68,18 +87,7 @@ class Slots:
             return want
         if self.n == 1:
             return 0
-        cached = [s.cached if s is not None else [] for s in self.slots]
-        best, reuse = None, 0
-        for i, toks in enumerate(cached):
-            r = common_prefix(toks, prompt)
-            if r > reuse and 2 * r >= min(len(toks), len(prompt)):
-                best, reuse = i, r
-        if best is not None:
-            return best
-        empty = [i for i, toks in enumerate(cached) if not toks]
-        if empty:
-            return self.active if self.active in empty else empty[0]
-        return min((i for i in range(self.n) if i != self.active), key=lambda i: self.slots[i].used)
+        return choose_sequence(self.slots, prompt, range(self.n), self.active)
 
     def take(self, i: int, model) -> Sequence:
         """Make slot i the active one (an empty slot gets a new sequence with fresh caches for

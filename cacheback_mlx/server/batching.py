@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Request
 
-from ..engine import Interrupted
+from ..engine import Interrupted, Stats
 
 if TYPE_CHECKING:
     from .core import Generator, Job
@@ -182,7 +182,7 @@ class BatchRunner:
         try:
             if job.max_tokens == 0:
                 e.lane, e.stats = batch.warm(job.ids, job.context, stop) if job.ids else (None, None)
-                e.stats = e.stats or _empty_stats(len(job.ids))
+                e.stats = e.stats or Stats(prompt_tokens=len(job.ids))
                 e.send(None)
                 return
             e.lane = batch.join(job.ids, job.max_tokens, job.sampling.params(e.offset), job.context, stop,
@@ -199,8 +199,3 @@ class BatchRunner:
             return
         running[e.lane.index] = e
 
-
-def _empty_stats(prompt_tokens: int):
-    from ..engine import Stats
-
-    return Stats(prompt_tokens=prompt_tokens)
