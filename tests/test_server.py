@@ -273,13 +273,13 @@ def test_t_max_predict_ms_stops_generation_in_time(slow_server, monkeypatch):
     out = httpx.post(f"{url}/completion", json=body, timeout=60).json()
     wall_ms = 1e3 * (time.perf_counter() - t0)
     t = out["timings"]
-    step_ms = t["predicted_ms"] / t["predicted_n"]
-    assert out["stop_type"] == "limit" and 5 < t["predicted_n"] < 100
-    # it stops at the first step past 250 ms (the whole reply would take ~30 s); on a busy machine
-    # one step may take longer than the mean, and HTTP and thread hand-offs some hundred ms
-    pause = 100
-    assert 250 <= t["predicted_ms"] <= 250 + 2 * step_ms + pause
-    assert wall_ms <= t["prompt_ms"] + 250 + 2 * step_ms + pause + 400
+    # as llama.cpp, the limit counts from the first token: a slow first pass (a cold machine
+    # building its kernels) neither stops the reply at one token nor counts against the limit
+    assert out["stop_type"] == "limit" and 5 < t["predicted_n"] < 200
+    # it stops at the first step past 250 ms after the first token, far before the whole reply
+    # (~900 tokens, ~14 s); a busy machine may slow a step or two and the HTTP hand-offs
+    assert 250 <= t["predicted_ms"] <= 250 + 1500
+    assert wall_ms <= t["prompt_ms"] + t["predicted_ms"] + 1000
 
 
 def test_abandoned_request_frees_the_model(slow_server):

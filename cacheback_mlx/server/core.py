@@ -169,6 +169,7 @@ class TextOut:
         self.hold = max((len(s) - 1 for s in self.stops), default=0)
         self.raw = self.text = ""
         self.sent = 0
+        self.first_s = None  # decode time when the first piece came (t_max_predict_ms counts from there)
         job.stop_type = "eos"
 
     def add(self, piece: str, decode_s: float) -> tuple[str, bool]:
@@ -186,9 +187,11 @@ class TextOut:
             self.text = text[:cut]
             return "", True
         self.text = text
-        if job.t_max_predict_ms and "\n" in text and 1e3 * decode_s >= job.t_max_predict_ms:
-            job.stop_type = "limit"  # as llama.cpp: only once a line is complete, so the editor
-            return "", True  # never gets a reply cut inside its first line
+        if self.first_s is None:
+            self.first_s = decode_s
+        if job.t_max_predict_ms and "\n" in text and 1e3 * (decode_s - self.first_s) >= job.t_max_predict_ms:
+            job.stop_type = "limit"  # as llama.cpp: timed from the first token, and only once a line
+            return "", True  # is complete, so the editor never gets a reply cut inside its first line
         safe = len(text) - self.hold
         if job.rules is not None and job.rules.holds_lines():
             safe = min(safe, text.rfind("\n") + 1)
