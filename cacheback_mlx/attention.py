@@ -26,6 +26,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
+from . import kernels
+
 LOG2E = 1.4426950408889634
 # Taylor coefficients of 2^f = e^(f ln 2): ln2^k / k!, k = 1..7 (error < 1e-8 for |f| <= 1/2)
 COEFFS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
@@ -137,6 +139,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, scale, mask, sinks)
+    if queries.shape[2] > 1 and kernels.in_rows_pass():
+        out = kernels.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks)
+        if out is not None:
+            return out
     if _usable(queries, keys, cache, sinks, mask):
         return cpu_attention(queries, keys, values, scale, mask)
     return stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

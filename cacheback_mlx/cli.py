@@ -434,6 +434,9 @@ def doctor(model_spec, drafter, drafter_args):
     if mx.default_device().type == mx.DeviceType.gpu:
         click.echo(f"tf32: {'off' if os.environ.get('MLX_ENABLE_TF32') == '0' else 'on'} "
                    "(MLX_ENABLE_TF32; CUDA float32 matmuls)")
+        from . import kernels
+
+        click.echo(kernels.describe())
     from . import cores
 
     click.echo(cores.share.describe())

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import cores
+from . import cores, kernels
 from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
@@ -187,6 +187,8 @@ class Engine:
         self.context_length = context_length
         self.seq = Sequence(ModelCache(model))  # the sequence the engine runs (its slot's)
         unplaced = prepare_positions(model)
+        if kernels.on_cuda() and kernels.enabled:
+            kernels.attach(model)  # verify passes' linear layers: the one-row step's bits (kernels/)
         self.chain_reason = ("recurrent layers" if self.seq.cache.recurrent else
                              f"position-dependent code: {unplaced[0]}" if unplaced else None)
         buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets

@@ -35,13 +35,14 @@ class TreePass:
         self.in_pass: mx.array | None = None  # [T, T] bool: row i may see row j of this pass
         self.tail: mx.array | None = None  # [T, t] bool: row i may see the j-th of the last t cached
         # slots (None: every cached slot); a draft tree kept in the cache (draft_model/runner.py)
+        self.host = None  # in_pass as a numpy array, when the pass's attention goes row by row (kernels/)
 
-    def set(self, rel: mx.array, in_pass: mx.array, tail: mx.array | None = None) -> None:
-        self.rel, self.in_pass, self.tail = rel, in_pass, tail
+    def set(self, rel: mx.array, in_pass: mx.array, tail: mx.array | None = None, host=None) -> None:
+        self.rel, self.in_pass, self.tail, self.host = rel, in_pass, tail, host
         TreePass.active = self
 
     def clear(self) -> None:
-        self.rel = self.in_pass = self.tail = None
+        self.rel = self.in_pass = self.tail = self.host = None
         TreePass.active = None
 
 

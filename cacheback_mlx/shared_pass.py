@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import activations, attention
+from . import activations, attention, kernels
 from .engine import Engine
 from .kvcache import KVStack, LaneKVCache, ModelCache, TreeKVCache
 from .positions import TreePass
@@ -180,7 +180,7 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
     tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
     tree_pass.set(mx.array(np.concatenate(positions)), None)
     try:
-        with activations.engine_pass():
+        with activations.engine_pass(), kernels.rows_pass():
             logits = model(mx.array(np.concatenate(tokens))[None], cache=views)
     finally:
         tree_pass.clear()

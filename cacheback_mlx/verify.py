@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from . import activations
+from . import activations, kernels
 from .kvcache import ModelCache
 from .tree import DraftTree
 
@@ -65,10 +65,10 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
     tree_pass = cache.tree_pass
     if not tree.is_chain():
         rel, in_pass = tree_layout(tree, lead_n, rows)
-        tree_pass.set(mx.array(rel), mx.array(in_pass))
+        tree_pass.set(mx.array(rel), mx.array(in_pass), host=in_pass)
     cache.begin_pass()
     try:
-        with activations.engine_pass():
+        with activations.engine_pass(), kernels.rows_pass(real=n):
             logits = model(mx.array(tokens)[None], cache=cache.layers)
     finally:
         tree_pass.clear()

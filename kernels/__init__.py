@@ -1,0 +1,133 @@
+"""The engine's own GPU kernels, each used only where this machine has shown it right and fast.
+
+`rows_matmul` (CUDA): the linear layers of a verify pass of 2-64 rows, each row with the bits of
+MLX's one-row matrix-vector kernel, reading each weight once. A decoding step runs that one-row
+kernel; cuBLAS, which MLX runs for several rows, rounds differently, so in float16 and bfloat16 a
+pass could pick another token than plain decoding where two logits nearly tie.
+
+Each kernel is checked at its first use in a process, per dtype, against its plain-MLX
+reference (kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than
+running the rows one by one, else it is skipped with one warning. It runs only inside the
+engine's verify passes (`verify_pass()`), never in prefill or in plain mlx-lm in the same process.
+CACHEBACK_MLX_KERNELS=0 turns them off; `cacheback-mlx doctor` shows which run.
+
+What is not covered yet (so not exact in float16/bfloat16 on a GPU): linear layers with a bias
+(MLX runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
+several-row qmm), attention (the one-row step's vector kernel vs the pass's), Metal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from . import attention as _attention
+from . import rows_matmul
+
+ENV = "CACHEBACK_MLX_KERNELS"
+enabled = os.environ.get(ENV, "1") != "0"
+_checked: dict = {}  # dtype -> (ok, reason), once per process
+_local = threading.local()
+
+
+def on_cuda() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def set_enabled(on: bool, attention: bool | None = None) -> None:
+    """Turn the kernels on or off in this process (what CACHEBACK_MLX_KERNELS sets at start);
+    `attention`: the row-by-row attention too (CACHEBACK_MLX_ROWS_ATTENTION), when given."""
+    global enabled, attention_enabled
+    enabled = bool(on)
+    if attention is not None:
+        attention_enabled = bool(attention)
+
+
+def usable(dtype) -> bool:
+    """Whether rows_matmul runs for this dtype here (checked once, at its first use)."""
+    if not (enabled and on_cuda()) or dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return False
+    if dtype not in _checked:
+        try:
+            _checked[dtype] = rows_matmul.check(dtype)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run is skipped, said once
+            _checked[dtype] = (False, f"{type(e).__name__}: {e}")
+        ok, reason = _checked[dtype]
+        if not ok:
+            print(f"cacheback-mlx: exact-rows matmul off for {dtype}: {reason}", file=sys.stderr)
+    return _checked[dtype][0]
+
+
+def describe() -> str:
+    """One line for `doctor`."""
+    if not enabled:
+        return f"engine's GPU kernels: off ({ENV}=0)"
+    if not on_cuda():
+        return "engine's GPU kernels: none on this device (CUDA only so far)"
+    parts = []
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        usable(dtype)
+        ok, reason = _checked[dtype]
+        parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")
+    attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
+    return "exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
+
+
+@contextmanager
+def rows_pass(real: int | None = None):
+    """While the engine builds a verify pass on this thread: its linear layers may use the kernel.
+    `real`: the pass's rows before its padding (nobody sees padding rows: their attention is not
+    computed row by row)."""
+    before = getattr(_local, "on", False), getattr(_local, "real", None)
+    _local.on, _local.real = True, real
+    try:
+        yield
+    finally:
+        _local.on, _local.real = before
+
+
+def in_rows_pass() -> bool:
+    return getattr(_local, "on", False)
+
+
+def exact_rows(x: mx.array, w: mx.array) -> mx.array | None:
+    """x @ w.T through the kernel when it applies here (a verify pass, 2..MAX_ROWS rows, a checked
+    dtype), else None (the caller runs MLX's own matmul)."""
+    if not in_rows_pass() or x.dtype != w.dtype or x.ndim < 2:
+        return None
+    rows = x.size // x.shape[-1]
+    if not 2 <= rows <= rows_matmul.MAX_ROWS or not usable(x.dtype):
+        return None
+    out = rows_matmul.rows_matmul(x.reshape(rows, x.shape[-1]), w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
+attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
+
+
+def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks):
+    """A verify pass's attention row by row as the one-row step runs it (kernels/attention.py),
+    on CUDA where the exact-rows matmul runs; None elsewhere (the caller runs the pass's own)."""
+    if not (attention_enabled and in_rows_pass() and usable(queries.dtype)):
+        return None
+    return _attention.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks,
+                                     getattr(_local, "real", None))
+
+
+def attach(model) -> int:
+    """Route the model's plain linear layers through exact_rows (kernels/linear.py), and check the
+    kernel now for their dtypes rather than in the first pass; returns how many layers."""
+    from .linear import convert
+
+    dtypes = convert(model)
+    for dtype in set(dtypes):
+        usable(dtype)
+    return len(dtypes)
+
+
+__all__ = ["attach", "describe", "exact_rows", "rows_pass", "usable"]

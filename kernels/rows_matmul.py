@@ -1,0 +1,132 @@
+"""x @ w.T for a pass of a few rows, each row with the bits of the one-row step (MLX's CUDA gemv).
+
+A decoding step multiplies ONE row by each weight matrix, and MLX's CUDA backend runs that as its
+matrix-vector kernel (gemv: a warp per weight row; lane l sums columns l*n, l*n+32n, ... n at a
+time with float accumulation, then a warp reduce). A verify pass of R rows goes to cuBLAS, whose
+tiles sum in another order: the same logits differ in the last bits, and in float16/bfloat16 near
+ties flip (docs/BENCHMARKS.md §14). This kernel runs the gemv's exact sequence of float operations
+for each of R rows while reading each weight once: lane l loads its weight elements, then adds
+their products with each row's elements into that row's own sum, in the gemv's order; each sum is
+then reduced across the warp as the gemv does. Each row thus gets the bits the one-row step gives.
+
+`reference` is the definition in plain MLX (one matmul per row: the gemv itself); `check` compares
+the kernel with it on this machine (kernels/__init__.py decides from that whether it runs).
+CUDA only: Metal's gemv sums in another order (no Metal version yet).
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+MAX_ROWS = 64  # the largest pass it takes (the GPU's draft budget 63 + the root)
+WARP, ROWS_PER_BLOCK = 32, 8  # as MLX's gemv: a warp per weight row, 8 warps a block
+
+HEADER = "#include <cooperative_groups/reduce.h>\n"
+
+# x: [R, K], w: [N, K] (both row-contiguous), out: [R, N]; template T (dtype), R (rows), NPT
+# (columns a lane loads at once: 4 when K % 128 == 0, 2 when K % 64 == 0, else 1, as the gemv)
+SOURCE = """
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int n_rows = w_shape[0];
+    const int cols = w_shape[1];
+    const int row = blockIdx.x * 8 + threadIdx.y;
+    if (row < n_rows) {
+        float sums[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            sums[r] = 0.0f;
+        }
+        const T* wrow = w + (size_t)row * cols;
+        for (int col = NPT * warp.thread_rank(); col < cols; col += 32 * NPT) {
+            float m[NPT];
+#pragma unroll
+            for (int j = 0; j < NPT; ++j) {
+                m[j] = static_cast<float>(wrow[col + j]);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const T* xr = x + (size_t)r * cols + col;
+#pragma unroll
+                for (int j = 0; j < NPT; ++j) {
+                    sums[r] += m[j] * static_cast<float>(xr[j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float s = cg::reduce(warp, sums[r], cg::plus<float>());
+            if (warp.thread_rank() == 0) {
+                out[(size_t)r * n_rows + row] = static_cast<T>(s);
+            }
+        }
+    }
+"""
+
+_kernel = None
+
+
+def _get_kernel():
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(name="cacheback_rows_gemv", input_names=["x", "w"], output_names=["out"],
+                                      source=SOURCE, header=HEADER)
+    return _kernel
+
+
+def lane_width(k: int) -> int:
+    """Columns a lane loads at once, as MLX's gemv chooses them (its inputs are aligned)."""
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x [R, K] @ w [N, K].T -> [R, N] on a CUDA GPU, 1 <= R <= MAX_ROWS, float16/bfloat16/float32."""
+    r, k = x.shape
+    n = w.shape[0]
+    return _get_kernel()(inputs=[x, w], template=[("T", x.dtype), ("R", r), ("NPT", lane_width(k))],
+                         grid=(WARP * ((n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK), ROWS_PER_BLOCK, 1),
+                         threadgroup=(WARP, ROWS_PER_BLOCK, 1), output_shapes=[(r, n)], output_dtypes=[x.dtype])[0]
+
+
+def reference(x: mx.array, w: mx.array) -> mx.array:
+    """The definition: each row alone through MLX's one-row matmul (what a decoding step runs)."""
+    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
+
+
+def _median_ms(fn, repeats: int = 15) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+# (N, K): a lane width of 2, 4 and 1, and one big enough to time
+CHECK_SHAPES = ((384, 576), (640, 1536), (200, 200), (2048, 2048))
+CHECK_ROWS = (1, 2, 5, 16)
+
+
+def check(dtype, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0) -> tuple[bool, str]:
+    """On this machine: does the kernel give the one-row bits for every row, and is it faster than
+    running the rows one by one? (ok, reason)"""
+    key = mx.random.key(seed)
+    for n, k in shapes:
+        w = (mx.random.normal((n, k), key=mx.random.key(seed + n * 7919 + k)) * k**-0.5).astype(dtype)
+        for r in rows:
+            x = mx.random.normal((r, k), key=mx.random.key(seed + n * 7919 + k + 100 + r)).astype(dtype)
+            got, want = rows_matmul(x, w), reference(x, w)
+            same = mx.all(got.view(mx.uint16 if dtype != mx.float32 else mx.uint32)
+                          == want.view(mx.uint16 if dtype != mx.float32 else mx.uint32)).item()
+            if not same:
+                return False, f"{r} rows of [{n}, {k}] differ from the one-row step's bits"
+    n, k = shapes[-1]
+    w = mx.random.normal((n, k), key=key).astype(dtype)
+    x = mx.random.normal((16, k), key=key).astype(dtype)
+    fast, slow = _median_ms(lambda: rows_matmul(x, w)), _median_ms(lambda: reference(x, w))
+    if fast >= slow:
+        return False, f"slower than one row at a time ({fast:.3f} vs {slow:.3f} ms, 16 rows of [{n}, {k}])"
+    return True, f"bits equal to the one-row step; 16 rows of [{n}, {k}] {fast:.3f} ms vs {slow:.3f} ms row by row"

@@ -1,0 +1,166 @@
+"""kernels/: the exact-rows matmul and row-by-row attention of verify passes on a CUDA GPU.
+
+On this CPU the kernels never run (the engine keeps MLX's own ops); what can be checked here is
+that routing leaves everything else alone and that the row-by-row attention is the attention.
+The checks that need CUDA run only where MLX has it."""
+
+from cacheback_mlx import kernels
+from cacheback_mlx.kernels import attention as rows_attention
+from cacheback_mlx.kernels import linear, rows_matmul
+from cacheback_mlx.positions import TreePass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.proj = nn.Linear(16, 16, bias=False)
+        self.biased = nn.Linear(16, 8)
+
+    def __call__(self, ids):
+        h = self.embed(ids)
+        return self.embed.as_linear(self.proj(h)), self.biased(h)
+
+
+def test_convert_keeps_parameters_and_outputs():
+    mx.random.seed(0)
+    model = Tiny()
+    before = dict(tree_flatten(model.parameters()))
+    ids = mx.array([[1, 2, 3, 4]])
+    want = model(ids)
+    dtypes = linear.convert(model)
+    assert len(dtypes) == 2  # the embedding and the plain linear; the biased one stays MLX's
+    assert isinstance(model.proj, linear.RowsLinear) and type(model.biased) is nn.Linear
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+    with kernels.rows_pass():
+        got = model(ids)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got))
+    assert linear.convert(model) == []  # converting again changes nothing
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="on CUDA the kernel does run")
+def test_kernels_stay_off_without_cuda():
+    x, w = mx.ones((4, 16)), mx.ones((8, 16))
+    with kernels.rows_pass():
+        assert kernels.exact_rows(x, w) is None
+        assert kernels.rows_attention(None, mx.ones((1, 2, 4, 8)), None, None, None, 1.0, "causal", None) is None
+    assert "none on this device" in kernels.describe()
+
+
+def _attention_inputs(rows, cached, seed=0):
+    k = mx.random.key(seed)
+    q = mx.random.normal((1, 4, rows, 32), key=k)
+    keys = mx.random.normal((1, 2, cached + rows, 32), key=mx.random.key(seed + 1))
+    values = mx.random.normal((1, 2, cached + rows, 32), key=mx.random.key(seed + 2))
+    return q, keys, values
+
+
+def _masked(q, keys, values, seen):
+    """The pass's own attention with its full mask (what rows_attention replaces)."""
+    rows, cached = q.shape[2], keys.shape[2] - q.shape[2]
+    mask = mx.array(np.concatenate([np.ones((rows, cached), bool), seen], axis=1))
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=32**-0.5, mask=mask)
+
+
+def _stock(q, k, v, cache=None, scale=1.0, mask=None, sinks=None):
+    assert mask is None and q.shape[2] == 1  # each row as a decoding step: one query, no mask
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+class TreeCache:
+    def __init__(self, host):
+        self.tree_pass = TreePass()
+        self.tree_pass.set(None, None, host=host)
+
+
+def test_rows_attention_is_the_attention_of_a_chain_and_a_tree():
+    q, keys, values = _attention_inputs(rows=6, cached=20)
+    chain = rows_attention.rows_attention(_stock, q, keys, values, None, 32**-0.5, "causal", None)
+    assert mx.allclose(chain, _masked(q, keys, values, np.tril(np.ones((6, 6), bool))), atol=1e-5).item()
+    # root, two children of the root, a grandchild under the second, and a padding row (sees the root)
+    seen = np.eye(6, dtype=bool)
+    seen[1:, 0] = True
+    seen[4, 2] = True
+    tree = rows_attention.rows_attention(_stock, q, keys, values, TreeCache(seen), 32**-0.5,
+                                         mx.array(seen), None)
+    assert mx.allclose(tree, _masked(q, keys, values, seen), atol=1e-5).item()
+
+
+def test_rows_attention_declines_what_it_cannot_split():
+    seen = np.tril(np.ones((4, 4), bool))
+    assert rows_attention.visible_rows(mx.array(seen), None, 4) is None  # an array mask, no layout
+    windowed = TreeCache(seen)
+    windowed.window = 8
+    assert rows_attention.visible_rows(mx.array(seen), windowed, 4) is None
+    tail = TreeCache(seen)
+    tail.tree_pass.tail = mx.ones((4, 2), dtype=mx.bool_)
+    assert rows_attention.visible_rows(mx.array(seen), tail, 4) is None
+    assert rows_attention.visible_rows(mx.array(seen), TreeCache(np.ones((3, 3), bool)), 4) is None
+
+
+def test_reference_is_one_matmul_per_row():
+    x, w = mx.random.normal((5, 24)), mx.random.normal((7, 24))
+    assert mx.allclose(rows_matmul.reference(x, w), x @ w.T, atol=1e-5).item()
+    assert [rows_matmul.lane_width(k) for k in (576, 1536, 200)] == [2, 4, 1]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_rows_matmul_has_the_one_row_bits(dtype):
+    ok, reason = rows_matmul.check(dtype)
+    assert ok, reason
+
+
+def test_padding_rows_are_not_attended_row_by_row():
+    q, keys, values = _attention_inputs(rows=8, cached=10, seed=3)
+    calls = []
+
+    def counting(q1, k, v, **kw):
+        calls.append(k.shape[2])
+        return _stock(q1, k, v, **kw)
+
+    out = rows_attention.rows_attention(counting, q, keys, values, None, 32**-0.5, "causal", None, real=5)
+    want = _masked(q, keys, values, np.tril(np.ones((8, 8), bool)))
+    assert calls == [11, 12, 13, 14, 15]  # the real rows only, each over the keys it sees
+    assert mx.allclose(out[:, :, :5], want[:, :, :5], atol=1e-5).item()
+    assert mx.all(out[:, :, 5:] == 0).item()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_verify_pass_rows_have_the_one_row_bits(dtype):
+    """On a CUDA GPU, a tree pass's logits (matmul kernel + row-by-row attention) equal, bit for
+    bit, those of one-row decoding steps along each node's path."""
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300)
+    mx.random.seed(1)
+    model = llama.Model(args)
+    model.set_dtype(getattr(mx, dtype))
+    kernels.attach(model)
+    ids = [5, 17, 42, 7, 99, 3]
+    tree = DraftTree(np.array([11, 12, 13, 14]), np.array([-1, 0, -1, 2]))
+    ours = ModelCache(model)
+    prefill(model, ours, ids[:-1])
+    got = verify_pass(model, ours, [ids[-1]], tree)
+    for row, path in enumerate([[], [0], [0, 1], [2], [2, 3]]):
+        ref = make_prompt_cache(model)
+        model(mx.array(ids[:-1])[None], cache=ref)
+        for t in [ids[-1]] + [int(tree.tokens[j]) for j in path]:
+            last = model(mx.array([[t]]), cache=ref)[0, -1]
+        assert mx.array_equal(last, got[row]).item(), f"row {row}"

@@ -1,0 +1,200 @@
+"""The exact-rows matmul (kernels/) on a CUDA GPU: bits and speed by rows, and what a verify pass
+of several rows gives against one-row decoding steps, kernels on and off.
+
+    python -m tools.ab.gpu_rows [--model M] [--dtypes float16,bfloat16] [--rows 1,2,4,8,16,32,64]
+
+1. Per weight shape (the default model's, and an 8B model's) and rows R: ms of one R-row product
+   through MLX's matmul (cuBLAS past one row) and through the kernel, and how many of the R rows
+   have the one-row step's bits (`x[i:i+1] @ w.T`, MLX's gemv).
+2. Per dtype: a prompt prefilled, then T tokens fed one at a time (plain decoding) vs the same T
+   tokens in one pass: rows whose logits have equal bits, the largest difference, equal argmax.
+"""
+
+from __future__ import annotations
+
+import time
+
+import cacheback_mlx  # noqa: F401 - first: it sets MLX's environment (blas.py, TF32)
+
+import click
+import numpy as np
+
+SHAPES = {"135M": ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)),
+          "8B": ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))}
+
+
+def _per_op_ms(mx, make, ops: int = 20, repeats: int = 7) -> float:
+    """ms per product: `ops` independent products evaluated together (launch gaps hidden as in a
+    pass), the median of `repeats`."""
+    mx.eval(make(0))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval([make(i) for i in range(ops)])
+        times.append((time.perf_counter() - t0) / ops)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def matmul_table(mx, kernels, dtypes, rows):
+    from cacheback_mlx.kernels import rows_matmul
+
+    print("| dtype | model | [N, K] | rows | MLX ms | kernel ms | one row ms | MLX rows exact | kernel rows exact |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in dtypes:
+        view = mx.uint32 if dtype == mx.float32 else mx.uint16
+        for model, shapes in SHAPES.items():
+            for n, k in shapes:
+                key = mx.random.key(n + k)
+                w = (mx.random.normal((n, k), key=key) * k**-0.5).astype(dtype)
+                ones = [mx.random.normal((1, k), key=mx.random.key(i)).astype(dtype) for i in range(20)]
+                mx.eval(ones)
+                one = _per_op_ms(mx, lambda i: ones[i] @ w.T)
+                for r in rows:
+                    xs = [mx.random.normal((r, k), key=mx.random.key(1000 + i)).astype(dtype) for i in range(20)]
+                    mx.eval(xs)
+                    ref = rows_matmul.reference(xs[0], w)
+                    plain = xs[0] @ w.T
+                    fast = rows_matmul.rows_matmul(xs[0], w)
+                    same_plain = mx.all(plain.view(view) == ref.view(view), axis=1).sum().item()
+                    same_fast = mx.all(fast.view(view) == ref.view(view), axis=1).sum().item()
+                    t_plain = _per_op_ms(mx, lambda i: xs[i] @ w.T)
+                    t_fast = _per_op_ms(mx, lambda i: rows_matmul.rows_matmul(xs[i], w))
+                    print(f"| {dtype} | {model} | [{n}, {k}] | {r} | {t_plain:.4f} | {t_fast:.4f} | {one:.4f} | "
+                          f"{same_plain}/{r} | {same_fast}/{r} |", flush=True)
+
+
+PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
+           "Write a short story about a robot who learns to paint.")
+VARIANTS = (("off", False, False), ("matmul", True, False), ("matmul+attention", True, True))
+
+
+def _equal_rows(mx, one, many):
+    one, many = one.astype(mx.float32), many.astype(mx.float32)
+    equal = mx.all(one == many, axis=1).sum().item()
+    argmax = (mx.argmax(one, axis=1) == mx.argmax(many, axis=1)).sum().item()
+    return equal, mx.abs(one - many).max().item(), argmax
+
+
+def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8):
+    """A chain pass (mlx-lm's caches) and a tree pass (the engine's verify_pass) against one-row
+    steps, with the kernels off, the matmul on, and the matmul and row-by-row attention on."""
+    from cacheback_mlx.api import load_cached
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    print(f"\n{lm_name or 'default model'}: a prompt, then tokens one at a time vs in one pass")
+    print("| dtype | kernels | pass | prompt | rows with equal bits | max abs diff | equal argmax |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    tree = DraftTree(np.array([11, 12, 13, 14, 15, 16, 17]), np.array([-1, 0, 1, -1, 3, 0, 5]))
+    paths = [tree_path(tree, i) for i in range(len(tree))]
+    for dtype in dtypes:
+        lm = load_cached(lm_name, str(dtype).split(".")[-1])
+        model = lm.model
+        kernels.attach(model)
+        ModelCache(model)  # routes the model's attention through the engine's (attention.install)
+        for name, on, attention in VARIANTS:
+            kernels.set_enabled(on, attention)
+            for p, prompt in enumerate(PROMPTS):
+                ids = lm.tokenizer.encode(prompt)
+                chain = [(ids[-1] * 7 + 13 * i) % 1000 + 100 for i in range(chain_len)]
+                steps = make_prompt_cache(model)
+                model(mx.array(ids)[None], cache=steps)
+                one = mx.stack([model(mx.array([[t]]), cache=steps)[0, -1] for t in chain])
+                cache = make_prompt_cache(model)
+                model(mx.array(ids)[None], cache=cache)
+                with kernels.rows_pass():
+                    many = model(mx.array(chain)[None], cache=cache)[0]
+                e, d, a = _equal_rows(mx, one, many)
+                print(f"| {dtype} | {name} | chain | {p} | {e}/{chain_len} | {d:.3g} | {a}/{chain_len} |", flush=True)
+                # a tree: the root (the prompt's last token) and 7 nodes on 3 branches
+                ours = ModelCache(model)
+                prefill(model, ours, ids[:-1])
+                got = verify_pass(model, ours, [ids[-1]], tree)
+                want = []
+                for path in [[]] + paths:
+                    ref = make_prompt_cache(model)
+                    model(mx.array(ids[:-1])[None], cache=ref)
+                    for t in [ids[-1]] + [int(tree.tokens[j]) for j in path]:
+                        last = model(mx.array([[t]]), cache=ref)[0, -1]
+                    want.append(last)
+                e, d, a = _equal_rows(mx, mx.stack(want), got)
+                print(f"| {dtype} | {name} | tree | {p} | {e}/{len(want)} | {d:.3g} | {a}/{len(want)} |", flush=True)
+        kernels.set_enabled(True, True)
+
+
+def tree_path(tree, i: int) -> list[int]:
+    """Node indices from the root's child down to node i."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = int(tree.parents[i])
+    return path[::-1]
+
+
+def engine_vs_mlx_lm(mx, lm_name, dtype):
+    """The engine's prefill and one-row pass against mlx-lm's on the same prompt: cached keys and
+    logits with equal bits (where plain decoding with `none` could part from mlx-lm)."""
+    from cacheback_mlx.api import load_cached
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = load_cached(lm_name, dtype)
+    model = lm.model
+    print(f"\nengine vs mlx-lm, {dtype}: prefill all but the last token, then one row")
+    print("| prompt | tokens | layers with equal keys | equal values | logits equal bits | max abs diff |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for p, prompt in enumerate(PROMPTS + ("Summarize: " + "the quick brown fox jumps over the lazy dog. " * 40,)):
+        ids = lm.tokenizer.encode(prompt)
+        ref = make_prompt_cache(model)
+        model(mx.array(ids[:-1])[None], cache=ref)
+        want = model(mx.array([ids[-1:]]), cache=ref)[0, -1]
+        ours = ModelCache(model)
+        prefill(model, ours, ids[:-1])
+        got = verify_pass(model, ours, [ids[-1]], DraftTree.empty())[0]
+        n = len(ids)
+        ks = vs = 0
+        for a, b in zip(ref, ours.layers):
+            ks += mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+            vs += mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
+        same = mx.array_equal(want, got).item()
+        diff = mx.abs(want.astype(mx.float32) - got.astype(mx.float32)).max().item()
+        print(f"| {p} | {n} | {ks}/{len(ref)} | {vs}/{len(ref)} | {same} | {diff:.3g} |", flush=True)
+
+
+@click.command()
+@click.option("--model", "-m", default=None)
+@click.option("--dtypes", default="float16,bfloat16")
+@click.option("--rows", default="1,2,4,8,16,32,64")
+@click.option("--skip-matmul", is_flag=True)
+@click.option("--matmul-dtypes", default=None, help="dtypes of the matmul table (default: --dtypes)")
+def main(model, dtypes, rows, skip_matmul, matmul_dtypes):
+    from cacheback_mlx import kernels
+
+    import mlx.core as mx
+
+    dts = [getattr(mx, d) for d in dtypes.split(",")]
+    print(kernels.describe(), flush=True)
+    if not skip_matmul:
+        try:
+            matmul_table(mx, kernels, [getattr(mx, d) for d in (matmul_dtypes or dtypes).split(",")],
+                         [int(r) for r in rows.split(",")])
+        except Exception as e:  # noqa: BLE001 - report it and go on to the passes
+            print(f"matmul table stopped: {type(e).__name__}: {e}")
+    for step in (lambda: pass_rows(mx, kernels, model, dts), lambda: engine_vs_mlx_lm(mx, model, "float16")):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - report it and go on
+            import traceback
+
+            traceback.print_exc()
+            print(f"stopped: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
