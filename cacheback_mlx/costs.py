@@ -286,13 +286,14 @@ def cpu_name() -> str:
 def cost_path(model_key: str) -> Path:
     """Where a model's cost is kept: one file per (model, dtype, device, machine, mlx,
     attention.py's CPU attention: off, or which version of it, activations.py's SwiGLU, the
-    weights' layout (blas.py) and this file's format)."""
-    from . import activations, attention, blas
+    weights' layout (blas.py), the GPU kernels in use (kernels/) and this file's format)."""
+    from . import activations, attention, blas, kernels
 
     ident = "|".join([FORMAT, model_key, str(mx.default_device()), cpu_name(), mx.__version__]
                      + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"]
                      + ([f"swiglu/{activations.VERSION}"] if activations.enabled else [])
-                     + (["weights [in, out]"] if blas.weight_layout_wanted() else []))
+                     + (["weights [in, out]"] if blas.weight_layout_wanted() else [])
+                     + ([kernels.cost_key()] if kernels.cost_key() else []))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")
 

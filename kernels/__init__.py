@@ -62,6 +62,16 @@ def usable(dtype) -> bool:
     return _checked[dtype][0]
 
 
+VERSION = 1  # part of the verify-cost cache key (costs.cost_path), with what is on
+
+
+def cost_key() -> str:
+    """What of these changes a pass's cost here ("" where none of them can run: the CPU)."""
+    if not on_cuda():
+        return ""
+    return f"kernels/{VERSION}/{'on' if enabled else 'off'}/{'rows-attention' if attention_enabled else ''}"
+
+
 def describe() -> str:
     """One line for `doctor`."""
     if not enabled:
