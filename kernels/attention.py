@@ -8,10 +8,14 @@ those of the pass's rows it sees (for a chain, or a row whose visible pass rows 
 ones, a slice of the buffer, as in the step; for a tree row, gathered).
 
 Plain MLX (one call per row and layer): exact by construction where the kernel's result depends
-only on its inputs' values and shapes, which `tools/ab/gpu_rows.py` checks on the machine.
+only on its inputs' values and shapes, which `tools/ab/gpu_rows.py` checks on the machine. Rows
+that see as many keys may go as one call (the rows as its batch), which must give each row the
+same bits: `Grouping` checks that on the first passes, and keeps to one call per row otherwise.
 """
 
 from __future__ import annotations
+
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -28,25 +32,86 @@ def visible_rows(mask, cache, rows: int):
     return tp.host if tp.host.shape == (rows, rows) else None
 
 
+def _keys_seen(seen: np.ndarray, row: int, cached: int) -> np.ndarray:
+    """Indices of the keys row `row` sees: every cached one, then the pass rows it sees."""
+    return np.concatenate([np.arange(cached), cached + np.flatnonzero(seen[row])]).astype(np.int32)
+
+
+def _one_row(stock, queries, keys, values, cache, scale, sinks, seen, row, cached):
+    cols = np.flatnonzero(seen[row])
+    if cols.size and cols[-1] == cols.size - 1:  # pass rows 0..k: a slice, as in the step
+        k, v = keys[:, :, : cached + cols.size], values[:, :, : cached + cols.size]
+    else:
+        idx = mx.array(_keys_seen(seen, row, cached))
+        k, v = mx.take(keys, idx, axis=2), mx.take(values, idx, axis=2)
+    return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
+
+
+def _group(stock, queries, keys, values, cache, scale, sinks, seen, rows, cached):
+    """Rows that see as many keys, as ONE call with the rows as its batch: [len(rows), H, 1, D]."""
+    idx = mx.array(np.stack([_keys_seen(seen, r, cached) for r in rows]))  # [G, n]
+    k = mx.take(keys[0], idx, axis=1).transpose(1, 0, 2, 3)  # [Hk, G, n, D] -> [G, Hk, n, D]
+    v = mx.take(values[0], idx, axis=1).transpose(1, 0, 2, 3)
+    q = queries[0][:, mx.array(rows)][:, :, None].transpose(1, 0, 2, 3)  # [G, H, 1, D]
+    return stock(q, k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
+
+
+class Grouping:
+    """Whether rows seeing as many keys may share one call (fewer calls to build and launch): only
+    where that call gives each row the bits of its own, which the first passes with such groups
+    check on this machine (CHECKS of them), computing both; else row by row."""
+
+    CHECKS = 3
+
+    def __init__(self):
+        self.ok: bool | None = None
+        self.checked = 0
+
+    def verdict(self, grouped: mx.array, single: mx.array) -> None:
+        if not mx.array_equal(grouped, single).item():
+            self.ok = False
+            print("cacheback-mlx: attention rows grouped by length round differently here; row by row "
+                  "instead", file=sys.stderr)
+            return
+        self.checked += 1
+        if self.checked >= self.CHECKS:
+            self.ok = True
+
+
+grouping = Grouping()
+
+
 def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real: int | None = None):
     """Attention of [B, H, T, D] queries over [B, Hk, S, D] keys whose last T are this pass's,
-    row by row; None where visible_rows says it cannot. Rows from `real` on are padding that no
-    row sees: they get zeros (any finite value would do; they are rolled back)."""
+    row by row (or rows seeing as many keys together, where Grouping found that exact); None where
+    visible_rows says it cannot. Rows from `real` on are padding that no row sees: they get zeros
+    (any finite value would do; they are rolled back)."""
     T, S = queries.shape[2], keys.shape[2]
     seen = visible_rows(mask, cache, T)
     if seen is None:
         return None
     cached = S - T
     real = T if real is None else min(real, T)
-    outs = []
-    for i in range(real):
-        cols = np.flatnonzero(seen[i])
-        if cols.size and cols[-1] == cols.size - 1:  # pass rows 0..k: a slice, as in the step
-            k, v = keys[:, :, : cached + cols.size], values[:, :, : cached + cols.size]
-        else:
-            idx = mx.array(np.concatenate([np.arange(cached), cached + cols]).astype(np.int32))
-            k, v = mx.take(keys, idx, axis=2), mx.take(values, idx, axis=2)
-        outs.append(stock(queries[:, :, i : i + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks))
+    args = (stock, queries, keys, values, cache, scale, sinks, seen)
+    counts = seen[:real].sum(axis=1)
+    groups = [np.flatnonzero(counts == c) for c in np.unique(counts)]
+    if grouping.ok is False or queries.shape[0] != 1 or all(len(g) == 1 for g in groups):
+        outs = [_one_row(*args, row, cached) for row in range(real)]
+    else:
+        parts, order = [], []
+        for rows in groups:
+            if len(rows) == 1:
+                parts.append(_one_row(*args, int(rows[0]), cached).transpose(2, 1, 0, 3))
+            else:
+                out = _group(*args, [int(r) for r in rows], cached)
+                if grouping.ok is None:
+                    single = mx.concatenate([_one_row(*args, int(r), cached) for r in rows], axis=2)
+                    grouping.verdict(out.transpose(2, 1, 0, 3), single)
+                parts.append(out)
+            order.extend(int(r) for r in rows)
+        stacked = mx.concatenate(parts, axis=0)  # [real, H, 1, D] in group order
+        back = mx.array(np.argsort(np.array(order)).astype(np.int32))
+        outs = [mx.take(stacked, back, axis=0).transpose(2, 1, 0, 3)]
     if real < T:
         B, H, _, D = queries.shape
         outs.append(mx.zeros((B, H, T - real, values.shape[-1]), dtype=queries.dtype))

@@ -164,3 +164,41 @@ def test_verify_pass_rows_have_the_one_row_bits(dtype):
         for t in [ids[-1]] + [int(tree.tokens[j]) for j in path]:
             last = model(mx.array([[t]]), cache=ref)[0, -1]
         assert mx.array_equal(last, got[row]).item(), f"row {row}"
+
+
+def test_rows_seeing_as_many_keys_go_as_one_call(monkeypatch):
+    monkeypatch.setattr(rows_attention, "grouping", rows_attention.Grouping())
+    q, keys, values = _attention_inputs(rows=7, cached=12, seed=5)
+    seen = np.eye(7, dtype=bool)  # the root; children 1, 2, 3 of the root; 4 under 1, 5 under 2, 6 under 3
+    seen[1:, 0] = True
+    seen[4, 1] = seen[5, 2] = seen[6, 3] = True
+    calls = []
+
+    def counting(q1, k, v, **kw):
+        calls.append(q1.shape[0])
+        return mx.fast.scaled_dot_product_attention(q1, k, v, scale=kw["scale"])
+
+    want = _masked(q, keys, values, seen)
+    first = rows_attention.rows_attention(counting, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen), None)
+    assert mx.allclose(first, want, atol=1e-5).item()
+    verdict = rows_attention.grouping.ok
+    calls.clear()
+    again = rows_attention.rows_attention(counting, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen), None)
+    assert mx.allclose(again, want, atol=1e-5).item()
+    if verdict is False:  # grouped rounded differently here: row by row from then on
+        assert calls == [1] * 7
+    else:  # the root alone, then the two depths of three rows as one call each (checked again while unsure)
+        assert calls[:3] == [1, 3, 1] and 3 in calls
+
+
+def test_grouping_is_trusted_only_after_equal_bits():
+    g = rows_attention.Grouping()
+    a = mx.array([1.0, 2.0])
+    for _ in range(g.CHECKS - 1):
+        g.verdict(a, a)
+        assert g.ok is None
+    g.verdict(a, a)
+    assert g.ok is True
+    g = rows_attention.Grouping()
+    g.verdict(a, a + 1e-7)
+    assert g.ok is False

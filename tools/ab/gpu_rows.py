@@ -123,6 +123,9 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8):
                 e, d, a = _equal_rows(mx, mx.stack(want), got)
                 print(f"| {dtype} | {name} | tree | {p} | {e}/{len(want)} | {d:.3g} | {a}/{len(want)} |", flush=True)
         kernels.set_enabled(True, True)
+    from cacheback_mlx.kernels import attention
+
+    print(f"attention rows grouped by length: {attention.grouping.ok} ({attention.grouping.checked} passes checked)")
 
 
 def tree_path(tree, i: int) -> list[int]:
