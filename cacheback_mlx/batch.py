@@ -29,7 +29,7 @@ import numpy as np
 
 from .budget import Sizer
 from .drafters.base import Drafter
-from .engine import Engine, Interrupted, Stats, accept
+from .engine import Engine, Interrupted, Stats, accept, row_positions
 from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
@@ -203,8 +203,6 @@ class Batch:
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0")
         i, stats = self._enter(prompt, context, stop, fresh)
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
         sizer = eng.sizer and Sizer(eng.sizer.cost, pad=False, learn=False)
         max_tokens = min(max_tokens, eng.context_length - len(prompt))
         lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats)
@@ -270,7 +268,8 @@ class Batch:
                   for lane, tree, n in zip(lanes, trees, rows)]
         logits = (batch_pass(self.model, passes) if self.reason is None else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
-        picks = [lane.pick(x) for lane, x in zip(lanes, logits)]
+        picks = [lane.pick(x, row_positions(len(lane.seq.cached) + len(lane.seq.lead), tree))
+                 for lane, x, tree in zip(lanes, logits, trees)]
         mx.eval(picks)
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:

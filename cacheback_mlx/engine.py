@@ -133,6 +133,12 @@ def forced_picks(tree: DraftTree, continuation: Seq[int]) -> list[int]:
     return picks
 
 
+def row_positions(first: int, tree: DraftTree) -> np.ndarray:
+    """The position of the token each row of a pass chooses: the root's row the one at `first`
+    (the cached tokens + the lead), node i's at first + its depth."""
+    return first + np.concatenate([[0], tree.depths()])
+
+
 def model_vocab_size(model) -> int:
     """Rows of the model's token embedding (ids past it would read outside the table)."""
     args = getattr(model, "args", None)
@@ -409,9 +415,7 @@ class Engine:
                 raise CachebackError("the forced stream is empty")
             max_tokens = min(max_tokens, len(forced))
         self.stats = stats = Stats(prompt_tokens=len(prompt))
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-        pick = token_picker(sampling)
+        pick = token_picker(sampling)  # a seeded one draws from its own key
         plan = self.planner
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
             self._start(prompt, context, plan.lead_tail, slot, stop)
@@ -432,7 +436,8 @@ class Engine:
                     # verify: lead + draft in one pass
                     t0 = time.perf_counter()
                     logits = self._verify(lead, tree, size)
-                    picks = pick(logits).tolist()  # evaluates the pass, forced or not
+                    positions = row_positions(len(seq.cached) + len(lead), tree)
+                    picks = pick(logits, positions).tolist()  # evaluates the pass, forced or not
                     if forced is not None:
                         picks = forced_picks(tree, forced[stats.tokens :])
                     seconds = time.perf_counter() - t0

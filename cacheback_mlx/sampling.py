@@ -1,13 +1,15 @@
 """Choosing the target model's token at every row of a verify pass.
 
 Greedy is argmax. Sampling reuses mlx-lm's sampler (temperature, top-p, top-k, min-p) and draws
-one token per row; the engine then follows the tree child that holds the row's token and stops at
-the first miss (sample-and-match). Each emitted token is thus a draw from the target model's own
+one token per row (a seeded request from keys of its seed and each token's position); the engine
+then follows the tree child that holds the row's token and stops at the first miss
+(sample-and-match). Each emitted token is thus a draw from the target model's own
 distribution at that position, so sampled output keeps exactly the target's distribution.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,17 +44,52 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def token_picker(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """A function from logits [T, vocab] to one token per row [T]."""
+def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
+    """A function pick(logits [T, vocab], positions [T]) -> one token per row [T]; `positions`: the
+    position in the sequence of the token each row chooses. A seeded one draws each position's
+    token from a key of that seed and position (seeded_picker); an unseeded one from MLX's global
+    random state, as mlx-lm does."""
     if params.greedy:
-        return lambda logits: mx.argmax(logits, axis=-1)
+        return lambda logits, positions=None: mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
+    if params.seed is not None:
+        return seeded_picker(params, top_p)
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
     without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
 
-    def pick(logits: mx.array) -> mx.array:
+    def pick(logits: mx.array, positions=None) -> mx.array:
         logits = logits.astype(mx.float32)
         sampler = with_k if 0 < params.top_k < logits.shape[-1] else without_k  # k >= vocab: no cut
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    return pick
+
+
+def position_key(seed: int, position: int) -> mx.array:
+    """The random key of one position of a seeded request."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
+
+
+def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.array]:
+    """mlx-lm's filters (top-p, min-p, top-k, in its order), then a Gumbel-max draw whose noise for
+    the token at position p comes from position_key(seed, p). Every position's draw is independent
+    of the others', so each token still follows the model's distribution; and a seeded request
+    gives the same text however its passes are cut: with any drafter, budget, or other requests
+    sharing its passes (batch.py)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    def pick(logits: mx.array, positions) -> mx.array:
+        logits = logits.astype(mx.float32)
+        logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < top_p < 1.0:
+            logits = apply_top_p(logits, top_p)
+        if params.min_p != 0.0:
+            logits = apply_min_p(logits, params.min_p, 1)
+        if 0 < params.top_k < logits.shape[-1]:  # k >= vocab: no cut
+            logits = apply_top_k(logits, params.top_k)
+        vocab = logits.shape[-1]
+        noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(params.seed, int(p))) for p in positions])
+        return mx.argmax(logits * (1.0 / params.temperature) + noise, axis=-1)
 
     return pick

@@ -111,6 +111,25 @@ def test_a_sampled_lane_alone_samples_as_its_solo_run():
     assert lane.tokens == want
 
 
+def test_seeded_lanes_sample_as_their_solo_runs_beside_other_lanes():
+    """A seeded request's text does not depend on the lanes beside it (nor on its drafts)."""
+    model = zoo.tiny_model("llama")
+    known = streams(model)
+    a = SamplingParams(temperature=0.8, seed=7)
+    b = SamplingParams(temperature=0.9, top_p=0.9, seed=8)
+
+    def solo(prompt, sampling):
+        eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+        return [t for step in eng.generate(prompt, 20, sampling) for t in step]
+
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=8)
+    lanes = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=4)).run(
+        [dict(prompt=PROMPTS[0], max_tokens=20, sampling=a),
+         dict(prompt=PROMPTS[2], max_tokens=20, sampling=SamplingParams(temperature=1.0)),  # unseeded
+         dict(prompt=PROMPTS[1], max_tokens=20, sampling=b)])
+    assert [lanes[0].tokens, lanes[2].tokens] == [solo(PROMPTS[0], a), solo(PROMPTS[1], b)]
+
+
 def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
     line = (1.0, 0.02)  # a pass: 1 s, and 0.02 s per row past one a lane
     sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])

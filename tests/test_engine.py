@@ -157,6 +157,46 @@ def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
         assert chi2 < 20.5, (chi2, observed, expected)  # 4 dof, p ~ 0.0004
 
 
+def test_a_seeded_request_samples_the_same_text_with_any_drafter(tiny_model):
+    """Each position draws from a key of the seed and that position (sampling.seeded_picker), so
+    drafting changes how the passes are cut, never what a seeded request samples."""
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=1234)
+
+    def sample(drafter, budget=None):
+        eng = Engine(tiny_model, eos_ids=[], drafter=drafter, context_length=4096, draft_budget=budget)
+        return [t for step in eng.generate(PROMPT, 24, sampling) for t in step]
+
+    plain = sample(NoDrafter())
+    truth, _ = run(tiny_model, NoDrafter(), n=24)
+    assert plain != truth  # it does sample
+    assert sample(RandomTreeDrafter(PROMPT, plain, seed=2), budget=12) == plain
+    assert sample(OracleDrafter(PROMPT, plain, extra_wrong_branches=1), budget=5) == plain
+    assert sample(WrongDrafter(lambda history: plain[len(history) - len(PROMPT)]), budget=8) == plain
+    other = SamplingParams(temperature=1.0, top_k=20, seed=1235)
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert [t for step in eng.generate(PROMPT, 24, other) for t in step] != plain
+
+
+def test_a_seeded_pick_is_the_same_whatever_rows_beside_it():
+    from cacheback_mlx.sampling import token_picker
+
+    logits = mx.random.normal((4, 64), key=mx.random.key(0))
+    pick = token_picker(SamplingParams(temperature=0.7, top_p=0.95, seed=9))
+    together = pick(logits, np.array([10, 11, 12, 11])).tolist()
+    alone = [pick(logits[i : i + 1], np.array([p])).item() for i, p in enumerate([10, 11, 12, 11])]
+    assert together == alone
+    # the draws of one position over many seeds follow the distribution
+    probs = np.array(mx.softmax(logits[0] / 0.5))
+    counts = np.zeros(64)
+    for seed in range(600):
+        counts[token_picker(SamplingParams(temperature=0.5, seed=seed))(logits[:1], np.array([3])).item()] += 1
+    top = np.argsort(-probs)[:4]
+    expected = np.append(probs[top], 1 - probs[top].sum()) * 600
+    observed = np.append(counts[top], 600 - counts[top].sum())
+    chi2 = float(((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum())
+    assert chi2 < 20.5, (chi2, observed, expected)  # 4 dof, p ~ 0.0004
+
+
 def test_out_of_vocabulary_drafts_are_dropped_not_crashing(tiny_model):
     truth, _ = run(tiny_model, NoDrafter(), n=12)
 

@@ -27,6 +27,7 @@ N = 16
 CASES = {
     "smollm2-135m": "random:smollm2-135m:f32:layers=2",
     "llama-3.2-1b": "random:llama-3.2-1b:q4:f32:layers=1:vocab=49280",
+    "llama-3.2-3b": "random:llama-3.2-3b:f32:layers=1:vocab=49280",
     "llama-3.1-8b": "random:llama-3.1-8b:q4:f32:layers=1:vocab=49280",
     "qwen3-1.7b": "random:qwen3-1.7b:q8:f32:layers=1:vocab=49280",
     "qwen3-8b": "random:qwen3-8b:q4:f32:layers=1:vocab=49280",
