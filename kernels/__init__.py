@@ -4,18 +4,21 @@
 MLX's one-row matrix-vector kernel, reading each weight once. A decoding step runs that one-row
 kernel; cuBLAS, which MLX runs for several rows, rounds differently, so in float16 and bfloat16 a
 pass could pick another token than plain decoding where two logits nearly tie.
+`attention` (plain MLX, where rows_matmul runs): the pass's attention row by row, each row as the
+one-row step calls MLX's attention. With both, every row of a pass has the one-row step's logits
+bit for bit (docs/BENCHMARKS.md §22).
 
-Each kernel is checked at its first use in a process, per dtype, against its plain-MLX
-reference (kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than
-running the rows one by one, else it is skipped with one warning. It runs only inside the
-engine's verify passes (`verify_pass()`), never in prefill or in plain mlx-lm in the same process.
-CACHEBACK_MLX_KERNELS=0 turns them off; `cacheback-mlx doctor` shows which run.
+The matmul is checked at its first use in a process, per dtype, against its plain-MLX reference
+(kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than running the
+rows one by one, else it is skipped with one warning (and the row-by-row attention with it). They
+run only inside the engine's verify passes (`verify_pass()`), never in prefill or in plain mlx-lm
+in the same process. CACHEBACK_MLX_KERNELS=0 turns them off, CACHEBACK_MLX_ROWS_ATTENTION=0 the
+attention alone; `cacheback-mlx doctor` shows which run.
 
-What is not covered yet (so not exact in float16/bfloat16 on a GPU): linear layers with a bias
-(MLX runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
-several-row qmm), attention (the one-row step's vector kernel vs the pass's), Metal.
+Not covered yet (so not exact in float16/bfloat16 on a GPU there): linear layers with a bias (MLX
+runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
+several-row qmm), sliding windows, passes shared by several sequences, Metal.
 """
-
 from __future__ import annotations
 
 import os
@@ -30,6 +33,8 @@ from . import rows_matmul
 
 ENV = "CACHEBACK_MLX_KERNELS"
 enabled = os.environ.get(ENV, "1") != "0"
+ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
+attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
 _checked: dict = {}  # dtype -> (ok, reason), once per process
 _local = threading.local()
 
@@ -114,10 +119,6 @@ def exact_rows(x: mx.array, w: mx.array) -> mx.array | None:
         return None
     out = rows_matmul.rows_matmul(x.reshape(rows, x.shape[-1]), w)
     return out.reshape(*x.shape[:-1], w.shape[0])
-
-
-ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
-attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
 
 
 def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks):
