@@ -2,12 +2,14 @@
 of several rows gives against one-row decoding steps, kernels on and off.
 
     python -m tools.ab.gpu_rows [--model M] [--dtypes float16,bfloat16] [--rows 1,2,4,8,16,32,64]
+        [--pass-cost float16]
 
 1. Per weight shape (the default model's, and an 8B model's) and rows R: ms of one R-row product
    through MLX's matmul (cuBLAS past one row) and through the kernel, and how many of the R rows
    have the one-row step's bits (`x[i:i+1] @ w.T`, MLX's gemv).
 2. Per dtype: a prompt prefilled, then T tokens fed one at a time (plain decoding) vs the same T
    tokens in one pass: rows whose logits have equal bits, the largest difference, equal argmax.
+3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
 """
 
 from __future__ import annotations
@@ -170,13 +172,47 @@ def engine_vs_mlx_lm(mx, lm_name, dtype):
         print(f"| {p} | {n} | {ks}/{len(ref)} | {vs}/{len(ref)} | {same} | {diff:.3g} |", flush=True)
 
 
+def pass_cost(mx, kernels, lm_name, dtype, rows, cached: int = 512, repeats: int = 7):
+    """ms of one verify pass (a draft tree of r rows: the root and r - 1 nodes, 4 to a level)
+    after `cached` tokens, kernels off, matmul only, matmul + row-by-row attention; the median of
+    `repeats`, the three interleaved so a busy spell hits them alike."""
+    from cacheback_mlx.api import load_cached
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    lm = load_cached(lm_name, dtype)
+    model = lm.model
+    kernels.attach(model)
+    cache = ModelCache(model)
+    prefill(model, cache, [(100 + i) % 5000 for i in range(cached)])
+    print(f"\n{lm.name}, {dtype}: ms of one verify pass after {cached} cached tokens (median of {repeats})")
+    print("| rows | off | matmul | matmul + attention |\n|---:|---:|---:|---:|")
+    for r in rows:
+        n = r - 1
+        tree = DraftTree(np.arange(n) % 50 + 200, np.array([i // 4 - 1 if i >= 4 else -1 for i in range(n)])
+                         if n else np.zeros(0, np.int32))
+        times = {name: [] for name, _, _ in VARIANTS}
+        for _ in range(repeats + 1):
+            for name, on, attention in VARIANTS:
+                kernels.set_enabled(on, attention)
+                t0 = time.perf_counter()
+                mx.eval(verify_pass(model, cache, [7], tree))
+                times[name].append(time.perf_counter() - t0)
+                cache.trim(cached)
+        med = {k: 1e3 * sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}  # the first: warm-up
+        print(f"| {r} | {med['off']:.2f} | {med['matmul']:.2f} | {med['matmul+attention']:.2f} |", flush=True)
+    kernels.set_enabled(True, True)
+
+
 @click.command()
 @click.option("--model", "-m", default=None)
 @click.option("--dtypes", default="float16,bfloat16")
 @click.option("--rows", default="1,2,4,8,16,32,64")
 @click.option("--skip-matmul", is_flag=True)
 @click.option("--matmul-dtypes", default=None, help="dtypes of the matmul table (default: --dtypes)")
-def main(model, dtypes, rows, skip_matmul, matmul_dtypes):
+@click.option("--pass-cost", "pass_cost_dtype", default=None, help="also time whole verify passes in this dtype")
+def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype):
     from cacheback_mlx import kernels
 
     import mlx.core as mx
@@ -189,7 +225,10 @@ def main(model, dtypes, rows, skip_matmul, matmul_dtypes):
                          [int(r) for r in rows.split(",")])
         except Exception as e:  # noqa: BLE001 - report it and go on to the passes
             print(f"matmul table stopped: {type(e).__name__}: {e}")
-    for step in (lambda: pass_rows(mx, kernels, model, dts), lambda: engine_vs_mlx_lm(mx, model, "float16")):
+    steps = [lambda: pass_rows(mx, kernels, model, dts), lambda: engine_vs_mlx_lm(mx, model, "float16")]
+    if pass_cost_dtype:
+        steps.append(lambda: pass_cost(mx, kernels, model, pass_cost_dtype, [int(r) for r in rows.split(",")]))
+    for step in steps:
         try:
             step()
         except Exception as e:  # noqa: BLE001 - report it and go on
