@@ -29,7 +29,7 @@ import numpy as np
 
 from .budget import Sizer
 from .drafters.base import Drafter
-from .engine import Engine, Interrupted, Stats, accept, row_positions
+from .engine import Engine, Interrupted, Stats, accept
 from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
@@ -268,7 +268,7 @@ class Batch:
                   for lane, tree, n in zip(lanes, trees, rows)]
         logits = (batch_pass(self.model, passes) if self.reason is None else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
-        picks = [lane.pick(x, row_positions(len(lane.seq.cached) + len(lane.seq.lead), tree))
+        picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
         mx.eval(picks)
         seconds = time.perf_counter() - t0

@@ -293,7 +293,7 @@ def cost_path(model_key: str) -> Path:
                      + [f"attention/{attention.VERSION}" if attention.enabled else "mlx-attention"]
                      + ([f"swiglu/{activations.VERSION}"] if activations.enabled else [])
                      + (["weights [in, out]"] if blas.weight_layout_wanted() else [])
-                     + ([kernels.cost_key()] if kernels.cost_key() else []))
+                     + [key for key in [kernels.cost_key()] if key])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cacheback-mlx" / "verify-cost" / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".json")
 

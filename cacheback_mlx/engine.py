@@ -133,12 +133,6 @@ def forced_picks(tree: DraftTree, continuation: Seq[int]) -> list[int]:
     return picks
 
 
-def row_positions(first: int, tree: DraftTree) -> np.ndarray:
-    """The position of the token each row of a pass chooses: the root's row the one at `first`
-    (the cached tokens + the lead), node i's at first + its depth."""
-    return first + np.concatenate([[0], tree.depths()])
-
-
 def model_vocab_size(model) -> int:
     """Rows of the model's token embedding (ids past it would read outside the table)."""
     args = getattr(model, "args", None)
@@ -436,8 +430,7 @@ class Engine:
                     # verify: lead + draft in one pass
                     t0 = time.perf_counter()
                     logits = self._verify(lead, tree, size)
-                    positions = row_positions(len(seq.cached) + len(lead), tree)
-                    picks = pick(logits, positions).tolist()  # evaluates the pass, forced or not
+                    picks = pick(logits, len(seq.cached) + len(lead), tree).tolist()  # evaluates the pass
                     if forced is not None:
                         picks = forced_picks(tree, forced[stats.tokens :])
                     seconds = time.perf_counter() - t0

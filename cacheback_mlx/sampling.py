@@ -45,19 +45,19 @@ class SamplingParams:
 
 
 def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
-    """A function pick(logits [T, vocab], positions [T]) -> one token per row [T]; `positions`: the
-    position in the sequence of the token each row chooses. A seeded one draws each position's
-    token from a key of that seed and position (seeded_picker); an unseeded one from MLX's global
-    random state, as mlx-lm does."""
+    """A function pick(logits [1 + len(tree), vocab], first, tree) -> one token per row: the rows
+    of a pass over the root (the token at position `first`) and the tree's nodes. A seeded one
+    draws each position's token from a key of that seed and position (seeded_picker); an unseeded
+    one from MLX's global random state, as mlx-lm does."""
     if params.greedy:
-        return lambda logits, positions=None: mx.argmax(logits, axis=-1)
+        return lambda logits, first=0, tree=None: mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
     if params.seed is not None:
         return seeded_picker(params, top_p)
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
     without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
 
-    def pick(logits: mx.array, positions=None) -> mx.array:
+    def pick(logits: mx.array, first=0, tree=None) -> mx.array:
         logits = logits.astype(mx.float32)
         sampler = with_k if 0 < params.top_k < logits.shape[-1] else without_k  # k >= vocab: no cut
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -79,7 +79,8 @@ def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.arra
     sharing its passes (batch.py)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    def pick(logits: mx.array, positions) -> mx.array:
+    def pick(logits: mx.array, first: int, tree) -> mx.array:
+        positions = tree.positions(first)  # only a seeded draw needs them
         logits = logits.astype(mx.float32)
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < top_p < 1.0:

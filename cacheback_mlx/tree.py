@@ -49,6 +49,11 @@ class DraftTree:
     def is_chain(self) -> bool:
         return bool(np.all(self.parents == np.arange(-1, len(self) - 1)))
 
+    def positions(self, first: int) -> np.ndarray:
+        """The position of the token each row of a pass over this tree chooses: the root's row the
+        one at `first` (the cached tokens + the lead), node i's at first + its depth."""
+        return first + np.concatenate([[0], self.depths()])
+
     def depths(self) -> np.ndarray:
         """Depth of each node; children of the root have depth 1."""
         d = np.zeros(len(self), np.int32)

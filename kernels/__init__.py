@@ -39,8 +39,11 @@ _checked: dict = {}  # dtype -> (ok, reason), once per process
 _local = threading.local()
 
 
+_CUDA = mx.cuda.is_available()  # asked once: on_cuda() is asked in every verify pass's layers
+
+
 def on_cuda() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return _CUDA and mx.default_device().type == mx.DeviceType.gpu
 
 
 def set_enabled(on: bool, attention: bool | None = None) -> None:

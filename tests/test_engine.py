@@ -182,14 +182,15 @@ def test_a_seeded_pick_is_the_same_whatever_rows_beside_it():
 
     logits = mx.random.normal((4, 64), key=mx.random.key(0))
     pick = token_picker(SamplingParams(temperature=0.7, top_p=0.95, seed=9))
-    together = pick(logits, np.array([10, 11, 12, 11])).tolist()
-    alone = [pick(logits[i : i + 1], np.array([p])).item() for i, p in enumerate([10, 11, 12, 11])]
+    tree = DraftTree([1, 2, 3], [-1, 0, -1])  # rows at positions 10 (the root), 11, 12 and 11
+    together = pick(logits, 10, tree).tolist()
+    alone = [pick(logits[i : i + 1], p, DraftTree.empty()).item() for i, p in enumerate([10, 11, 12, 11])]
     assert together == alone
     # the draws of one position over many seeds follow the distribution
     probs = np.array(mx.softmax(logits[0] / 0.5))
     counts = np.zeros(64)
     for seed in range(600):
-        counts[token_picker(SamplingParams(temperature=0.5, seed=seed))(logits[:1], np.array([3])).item()] += 1
+        counts[token_picker(SamplingParams(temperature=0.5, seed=seed))(logits[:1], 3, DraftTree.empty()).item()] += 1
     top = np.argsort(-probs)[:4]
     expected = np.append(probs[top], 1 - probs[top].sum()) * 600
     observed = np.append(counts[top], 600 - counts[top].sum())
