@@ -14,7 +14,7 @@ malloc.fix_mmap_threshold()  # keeps a long-running server's memory flat (malloc
 # MLX's CUDA backend runs float32 matmuls of several rows in TF32 (10-bit mantissas) and one-row
 # products in full float32, so a verify pass and plain decoding round differently: on an H200 the
 # tiny-family tests failed 59 times with it and greedy-token tests all passed without it
-# (docs/BENCHMARKS.md §14). Exact output comes first; a user may still set it to 1.
+# (docs/BENCHMARKS.md §15). Exact output comes first; a user may still set it to 1.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 _API = {"load": "loader", "generate": "api", "stream_generate": "api", "Session": "api",

@@ -6,7 +6,7 @@ a first pass of ~40 rows ~30 ms, and prefilling a 1,000-token prompt ~0.7 s. Her
 exp is attention.py's range-reduced polynomial (within ~1 ulp of float32 exp) on exp(-|gate|),
 which never overflows: sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
 Two compiled elementwise kernels, 6-8x faster alone (passes of 16-64 rows 5-12% cheaper, docs
-§16); the result is within ~3e-7 relative of mlx-lm's.
+§1); the result is within ~3e-7 relative of mlx-lm's.
 
 Used only while the engine builds its own passes (verify.py's `engine_pass()`), on the CPU, in
 float32, for passes of several rows: plain mlx-lm in the same process (the reference the tests

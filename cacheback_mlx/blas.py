@@ -155,7 +155,7 @@ def set_threads(n: int) -> None:
 
 # The weights' layout in memory. MLX computes a linear layer as x @ W.T with W stored [out, in];
 # it reaches OpenBLAS as an sgemm with B transposed, which for the few rows of a decoding pass is
-# ~30% slower here than the same product with B stored [in, out] (docs/BENCHMARKS.md §15). Storing
+# ~30% slower here than the same product with B stored [in, out] (docs/BENCHMARKS.md §1). Storing
 # each weight as the transposed view of an [in, out] copy keeps its shape and values (code that reads
 # `.weight` sees the same array) and turns W.T into a plain row-major matrix. The products are
 # bitwise the same (tests/test_blas.py); only the speed changes.

@@ -3,7 +3,7 @@ share while other cacheback-mlx processes are busy too.
 
 OpenBLAS's threads wait for work by spinning. Two processes that each run one thread per core
 on the same cores take turns at every product, and each runs many times slower than alone (two
-`generate`s at once on 2 cores: ~30x slower each, docs/BENCHMARKS.md §18), where one thread each
+`generate`s at once on 2 cores: ~30x slower each, docs/BENCHMARKS.md §11), where one thread each
 costs them ~1.4x. So each process says when it is busy (a generation, a prefill, a measurement)
 by holding an exclusive lock on a file of its own in a shared folder, and before each pass counts
 the other files whose lock is held: with n processes busy, each runs cores // n threads (at least

@@ -5,7 +5,7 @@ free. The threshold starts at 128 KiB but is dynamic: freeing such a block raise
 block's size (up to 32 MiB). SSD re-indexes its buffer after every request, in a background
 thread, with arrays a little bigger each time; once the threshold has risen, those arrays come
 from the threads' malloc arenas instead, and the holes they leave are never reused or trimmed. A
-server's resident memory then grew ~2 MB per second under the soak test (docs/BENCHMARKS.md §10b),
+server's resident memory then grew ~2 MB per second under the soak test (docs/BENCHMARKS.md §12),
 with no Python object and no MLX buffer growing. Setting the threshold explicitly turns the
 dynamic adjustment off, as glibc documents (mallopt(3)); blocks of 1 MiB and more are then always
 mapped and unmapped whole.
@@ -15,7 +15,7 @@ limited to 32 MB. A prefill chunk of 512 rows frees more than that per layer, so
 back to malloc, which unmapped them: 56,000-600,000 page faults to prefill 1,050 tokens of the
 default model (0.2-2.4 GB faulted in again). `raise_mlx_cache_limit` (called by the loader on the
 CPU, after the weights are in place) lifts the limit to 256 MB: then a few hundred faults once the
-cache is warm, and the prefill is faster (docs/BENCHMARKS.md §16).
+cache is warm, and the prefill is faster (docs/BENCHMARKS.md §1).
 
 Only on Linux with glibc; left alone when the user set MALLOC_MMAP_THRESHOLD_ themselves, or with
 CACHEBACK_MLX_MALLOC=0 (which leaves MLX's cache limit alone too).

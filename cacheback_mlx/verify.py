@@ -80,7 +80,7 @@ PREFILL_CHUNK = 512
 
 def cpu_prefill_chunk(cached: int) -> int:
     """The CPU's prefill chunk after `cached` tokens: 128, and 64 past 4,096. Per token these run
-    about as fast as chunks of 512 (docs/BENCHMARKS.md §19: within 10% at 8k, faster at 1k), and a
+    about as fast as chunks of 512 (docs/BENCHMARKS.md §9: within 10% at 8k, faster at 1k), and a
     chunk's time bounds how long a cancelled or stopped prefill goes on (on a 2-core CPU, the
     default model: ~1.8 s at 4k cached tokens, ~3 s at 8k). Fixed by the position, never by the
     clock: the same prompt is always cut the same way, so it always gives the same output."""

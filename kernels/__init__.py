@@ -6,7 +6,7 @@ kernel; cuBLAS, which MLX runs for several rows, rounds differently, so in float
 pass could pick another token than plain decoding where two logits nearly tie.
 `attention` (plain MLX, where rows_matmul runs): the pass's attention row by row, each row as the
 one-row step calls MLX's attention. With both, every row of a pass has the one-row step's logits
-bit for bit (docs/BENCHMARKS.md §22).
+bit for bit (docs/BENCHMARKS.md §15).
 
 The matmul is checked at its first use in a process, per dtype, against its plain-MLX reference
 (kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than running the

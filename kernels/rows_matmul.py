@@ -4,7 +4,7 @@ A decoding step multiplies ONE row by each weight matrix, and MLX's CUDA backend
 matrix-vector kernel (gemv: a warp per weight row; lane l sums columns l*n, l*n+32n, ... n at a
 time with float accumulation, then a warp reduce). A verify pass of R rows goes to cuBLAS, whose
 tiles sum in another order: the same logits differ in the last bits, and in float16/bfloat16 near
-ties flip (docs/BENCHMARKS.md §14). This kernel runs the gemv's exact sequence of float operations
+ties flip (docs/BENCHMARKS.md §15). This kernel runs the gemv's exact sequence of float operations
 for each of R rows while reading each weight once: lane l loads its weight elements, then adds
 their products with each row's elements into that row's own sum, in the gemv's order; each sum is
 then reduced across the warp as the gemv does. Each row thus gets the bits the one-row step gives.

@@ -20,7 +20,7 @@ Not the benchmark data in ../shared/data, which is the test set. Takes ~30 s on 
 
 The datastore holds the self-corpora alone (each answer once, ~0.25M tokens, 0.2 MB compressed):
 `auto` retrieves from it as a REST source (drafters/rest.py, shipped_datastore). With the
-standard library added (3.4M tokens, ~30 MB) it drafted no better (docs/BENCHMARKS.md §9).
+standard library added (3.4M tokens, ~30 MB) it drafted no better (docs/BENCHMARKS.md §4).
 
     .venv/bin/python -m tools.build_default_table
 """
@@ -45,7 +45,7 @@ def stdlib_files() -> list[Path]:
 DATA = Path(__file__).resolve().parent / "data"
 SELF_CORPORA = [DATA / "self_corpus_smollm2.jsonl.gz", DATA / "self_code_smollm2.jsonl.gz",
                 DATA / "self_qa_smollm2.jsonl.gz"]
-SELF_WEIGHT = 16  # docs/BENCHMARKS.md §9: 4, 16 and 64 gave MAT within 1% of each other (chat answers)
+SELF_WEIGHT = 16  # docs/BENCHMARKS.md §4: 4, 16 and 64 gave MAT within 1% of each other (chat answers)
 
 
 def main() -> None:
