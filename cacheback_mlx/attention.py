@@ -2,18 +2,20 @@
 long cache, and prefill chunks.
 
 On the CPU, `mx.fast.scaled_dot_product_attention` is a plain matmul -> softmax -> matmul, and it is
-slow in three places (docs/BENCHMARKS.md §11): with a few query rows its exp dominates (MLX's CPU
+slow in three places (docs/BENCHMARKS.md §2): with a few query rows its exp dominates (MLX's CPU
 exp runs at ~12 ns an element on the x86 wheels: 8 rows over 3,000 cached tokens spend ~2.6 ms a
 layer in it); one row over thousands of keys takes ~1.2 ms a layer; and a prefill chunk's scores
 (512 rows x 3,500 keys x 9 heads, 64 MB a layer) are far bigger than the CPU's caches. Here the
 softmax's exp is a range-reduced polynomial (2^x = 2^n * p(f), |f| <= 1/2, degree 7: within ~1 ulp
-of float32 exp) that MLX compiles into one vectorised elementwise kernel, ~5x faster, and many query
+of float32 exp) that MLX compiles into one vectorised elementwise kernel, 1.4-5x faster (by CPU and
+shape; its exp is still most of an attention's time over many rows), and many query
 rows are taken in blocks of 8-16, each a whole softmax over every key (the same result, with scores
 that stay small); the matmuls stay MLX's (BLAS).
 
 Used where it pays and nothing else changes: the CPU device, float32, no attention sinks, the
 engine's own caches (a cache class with `fast_attention = True`), and any number of rows except one
-row over a short cache (there MLX's kernel is as fast). mlx-lm's own caches (so plain mlx-lm in the
+row of one sequence over a short cache (there MLX's kernel is as fast; the lanes of a batch,
+several sequences' rows in one call, are faster here). mlx-lm's own caches (so plain mlx-lm in the
 same process), Metal and CUDA keep MLX's fused kernel. CACHEBACK_MLX_FAST_ATTENTION=0 turns it off
 (to measure it).
 """
@@ -83,7 +85,7 @@ def _fused_exp(x: mx.array, shift=0.0) -> mx.array:
 
 def block_rows(keys: int) -> int:
     """Query rows per block: a block's scores stay small enough to be cheap to pass over several
-    times (8 rows x 3,000 keys x 9 heads ~ 0.9 MB); measured on the default model, docs §11."""
+    times (8 rows x 3,000 keys x 9 heads ~ 0.9 MB); measured on the default model, docs §2."""
     return 16 if keys < 1000 else 8
 
 
@@ -118,16 +120,16 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, m
     return out.reshape(B, H, T, -1)
 
 
-# Where it wins (tools/ab/attention.py, docs/BENCHMARKS.md §11): one row over a short cache is level
+# Where it wins (tools/ab/attention.py, docs/BENCHMARKS.md §2): one row over a short cache is level
 # with MLX's kernel, so that stays MLX's; everything else is faster here: 2-8 rows up to ~2x at
-# long contexts, prefill chunks (in blocks) ~1.3-2x.
+# long contexts, prefill chunks (in blocks) ~1.3-2x, 8 lanes of one row each ~1.7x (docs §10).
 MIN_KEYS_ONE_ROW = 512  # one query row: ours from this many keys on
 
 
 def _usable(queries, keys, cache, sinks, mask) -> bool:
     T, S = queries.shape[2], keys.shape[2]
     return (enabled and sinks is None and getattr(cache, "fast_attention", False)
-            and (T > 1 or S >= MIN_KEYS_ONE_ROW)
+            and (T > 1 or S >= MIN_KEYS_ONE_ROW or queries.shape[0] > 1)
             and queries.dtype == mx.float32 and queries.shape[1] % keys.shape[1] == 0
             and (mask is None or isinstance(mask, str) or mask.ndim in (2, 4))
             and mx.default_device() == mx.cpu)

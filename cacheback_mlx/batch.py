@@ -41,58 +41,56 @@ from .verify import padded_size, prefill, verify_pass
 
 
 class LaneCosts:
-    """What a shared pass costs on this machine, by the lanes in it: per lane count (and 1,024
-    cached tokens), a line, seconds = a + b * (rows past one a lane), fitted to the passes run,
-    recent ones weighing more. It starts from the sizer's price of a solo pass of as many rows,
-    which a shared pass exceeds (each lane attends over its own cache), by more per extra row
-    than per lane: only what was measured can say by how much."""
+    """What a shared pass costs on this machine: the sizer's price of a solo pass of as many rows
+    (its measured table knows the BLAS's row tiles) times what the lanes add: each attends over
+    its own cache, and its keys and values are written apart. That factor is about level across
+    the pass's rows (1.24-1.37 for 8 lanes of a 135M model at 8-23 rows, docs/BENCHMARKS.md), so
+    it is learned per lane count and context band as one number: a running mean over the passes
+    run, recent ones weighing more."""
 
     DECAY = 0.97  # weight of a pass after each later one
-    PRIOR = 0.05  # weight of each of the sizer's two points, always in the fit (they give the slope
-    # until passes of several sizes were run)
 
     def __init__(self, sizer: Sizer):
         self.sizer = sizer
-        self.fits: dict[tuple[int, int], np.ndarray] = {}  # (lanes, context band) -> sums w, x, y, xx, xy
+        self.ratios: dict[tuple[int, int], tuple[float, float]] = {}  # (lanes, band) -> (weight, sum)
 
-    def line(self, lanes: int, context: int) -> tuple[float, float]:
-        """(a, b) of the pass cost for `lanes` lanes at about `context` cached tokens."""
-        band = context // 1024
-        sums = self.fits.get((lanes, band), np.zeros(5))
-        x0, x1 = 0.0, 2.0 * lanes  # the prior: a solo pass of `lanes` rows, and of 3 rows a lane
-        c = band * 1024
-        y0, y1 = self.sizer.price(lanes, c), self.sizer.price(lanes + int(x1), c)
-        w, sx, sy, sxx, sxy = sums + self.PRIOR * np.array([2, x0 + x1, y0 + y1, x0 * x0 + x1 * x1, x0 * y0 + x1 * y1])
-        b = max((w * sxy - sx * sy) / max(w * sxx - sx * sx, 1e-12), 1e-9)
-        return max((sy - b * sx) / w, 1e-6), b
+    def factor(self, lanes: int, context: int) -> float:
+        """A shared pass of `lanes` lanes against a solo pass of as many rows (1 until one was timed)."""
+        w, total = self.ratios.get((lanes, context // 1024), (0.0, 0.0))
+        return total / w if w else 1.0
 
-    def timed(self, lanes: int, context: int, extra: int, seconds: float) -> None:
-        """A shared pass of `lanes` lanes and `extra` rows past one a lane took `seconds`."""
+    def costs(self, lanes: int, context: int) -> np.ndarray:
+        """Seconds of a shared pass of `lanes` lanes by its rows in all (index), padding included,
+        at about `context` cached tokens a lane."""
+        return self.sizer.costs(context) * self.factor(lanes, context)
+
+    def timed(self, lanes: int, context: int, rows: int, seconds: float) -> None:
+        """A shared pass of `lanes` lanes, run as `rows` rows in all, took `seconds`."""
         key = (lanes, context // 1024)
-        sums = self.fits.get(key, np.zeros(5)) * self.DECAY
-        self.fits[key] = sums + np.array([1.0, extra, seconds, extra * extra, extra * seconds])
+        w, total = self.ratios.get(key, (0.0, 0.0))
+        ratio = seconds / self.sizer.price(rows, context)
+        self.ratios[key] = (w * self.DECAY + 1.0, total * self.DECAY + ratio)
 
 
-def share(offers: list[tuple[int, np.ndarray]], line: tuple[float, float] | None) -> list[int]:
+def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
     the count taken is the one with the most expected tokens per second of the whole pass, by
-    `line` (LaneCosts.line: seconds = a + b * rows past one a lane). Without one (a fixed
-    budget) every lane sends all it offered."""
-    if line is None:
+    `costs` (LaneCosts.costs: seconds by the pass's rows in all). Without them (a fixed budget)
+    every lane sends all it offered."""
+    if costs is None:
         return [len(s) for _, s in offers]
-    a, b = line
-    extra = sum(lead - 1 for lead, _ in offers)  # leads longer than their root
+    base = sum(lead for lead, _ in offers)
     heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
     heapq.heapify(heap)
     order, expected = [], [float(len(offers))]
-    while heap and len(order) < Sizer.MAX_ROWS:
+    while heap and base + len(order) < len(costs) - 1:
         neg, i, j = heapq.heappop(heap)
         order.append(i)
         expected.append(expected[-1] + min(max(-neg, 0.0), 1.0))
         if j + 1 < len(offers[i][1]):
             heapq.heappush(heap, (-float(offers[i][1][j + 1]), i, j + 1))
-    k = int(np.argmax(np.array(expected) / (a + b * (extra + np.arange(len(expected))))))
+    k = int(np.argmax(np.array(expected) / costs[base : base + len(expected)]))
     counts = [0] * len(offers)
     for i in order[:k]:
         counts[i] += 1
@@ -203,7 +201,7 @@ class Batch:
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0")
         i, stats = self._enter(prompt, context, stop, fresh)
-        sizer = eng.sizer and Sizer(eng.sizer.cost, pad=False, learn=False)
+        sizer = eng.sizer and eng.sizer.lane()
         max_tokens = min(max_tokens, eng.context_length - len(prompt))
         lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats)
         self.lanes[i] = lane
@@ -253,9 +251,9 @@ class Batch:
         if self.costs is None:
             counts = share(asked, None)
         elif self.reason is None:  # one pass for all
-            counts = share(asked, self.costs.line(len(lanes), context))
+            counts = share(asked, self.costs.costs(len(lanes), context))
         else:  # a pass each
-            counts = [share([a], self.costs.line(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
+            counts = [share([a], self.costs.costs(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
         trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
                  for lane, (t, s, cells), k in zip(lanes, offers, counts)]
         draft_s = time.perf_counter() - t0
@@ -273,7 +271,7 @@ class Batch:
         mx.eval(picks)
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:
-            self.costs.timed(len(lanes), context, sum(p[3] for p in passes) - len(lanes), seconds)
+            self.costs.timed(len(lanes), context, sum(p[3] for p in passes), seconds)
         self.passes += 1
         # accept, roll back and update each lane
         out = []

@@ -166,7 +166,7 @@ class PassTimes:
     and 16, the counts a BLAS tiles, end bands. Ranges of context: past the contexts the table
     measured, passes of many rows cost relatively more than it says (attention grows with rows x
     context); learned over long prompts and applied to a short one, that priced 8 rows too high
-    and the sizer sent too few drafts (docs/BENCHMARKS.md §9)."""
+    and the sizer sent too few drafts (docs/BENCHMARKS.md §4)."""
 
     BANDS = np.array([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192])  # band b: BANDS[b-1] < rows <= BANDS[b]
     CONTEXTS = np.array([512, 1536, 3072])  # range c: CONTEXTS[c-1] <= cached tokens < CONTEXTS[c]
@@ -236,6 +236,16 @@ class Sizer:
         self._credit = 0.0  # seconds that learning passes may still cost (LEARN_SHARE)
         self.tried = 0  # passes sent at the runner-up size
         self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
+
+    def lane(self) -> Sizer:
+        """A sizer for one lane of a batch (batch.py): it learns acceptance into this sizer's
+        tables (what a drafter's scores are worth belongs to the drafter and the model, not to one
+        request: a lane's own tables started afresh with every request and sent too few drafts),
+        with its own state between offer and update; it neither pads nor learns prices (the
+        batch prices its shared passes)."""
+        sizer = Sizer(self.cost, pad=False, learn=False)
+        sizer.rates, sizer.calibration = self.rates, self.calibration
+        return sizer
 
     def set_cost(self, cost: CostTable | PriorCost) -> None:
         """Price passes by `cost` from now on (a table measured meanwhile); what was learned of the

@@ -37,8 +37,15 @@ class LaneMask:
 
 class PassPlan:
     """What every layer of a shared pass uses alike: each lane's rows, layout and positions before
-    the pass, and, for lanes that are rows of one KVStack, where each row goes in the stacked
-    queries [lanes, rows, ...] and each lane's mask over the stack, made once per window."""
+    the pass, and, for lanes that are rows of one KVStack, how attention runs. The narrow lanes
+    (at most `width` rows) go as one call over the stack's rows lo..hi, their queries gathered
+    [rows, width, ...] and each masked to its own positions (stacked_mask, made once per window);
+    each wider lane goes as a call of its own. A stacked call pays `width` query rows for every
+    stack row in its range, so one lane of 16 rows beside seven of one would cost 128 rows'
+    attention (its exp dominates on the CPU): `width` is chosen for the fewest rows in all,
+    counting a call of its own as OWN_CALL rows."""
+
+    OWN_CALL = 8  # what a call of its own costs, in query rows of a stacked call (~400 keys, CPU)
 
     def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
         self.spans, self.layouts = spans, layouts
@@ -46,30 +53,46 @@ class PassPlan:
         first = [c.layers[0] for c in caches]
         self.rows_of = [c.row for c in first] if all(isinstance(c, LaneKVCache) for c in first) else None
         self.masks: dict = {}
-        if self.rows_of is not None and len(set(self.rows_of)) == len(caches):
-            lanes = first[0].stack.lanes
-            self.width = max(b - a for a, b in spans)
-            gather = np.zeros((lanes, self.width), np.int32)  # flat row of each (lane, row); padding: 0
-            back = np.zeros(spans[-1][1], np.int32)
-            for r, (a, b) in zip(self.rows_of, spans):
-                gather[r, : b - a] = np.arange(a, b)
-                back[a:b] = r * self.width + np.arange(b - a)
-            self.gather, self.back = mx.array(gather.reshape(-1)), mx.array(back)
-        else:
+        if self.rows_of is None or len(set(self.rows_of)) != len(caches) or len(caches) < 2:
             self.rows_of = None
+            return
+        sizes = [b - a for a, b in spans]
+        self.width = min(set(sizes), key=lambda w: (self._rows(w, sizes), -w))
+        self.narrow = [i for i, n in enumerate(sizes) if n <= self.width]
+        self.wide = [i for i, n in enumerate(sizes) if n > self.width]
+        rows = [self.rows_of[i] for i in self.narrow]
+        self.lo, self.rows = min(rows), max(rows) + 1 - min(rows)
+        gather = np.zeros((self.rows, self.width), np.int32)  # flat row of each (lane, row); padding: 0
+        back = np.zeros(spans[-1][1], np.int32)  # each row's place in [stacked rows, then each wide lane's]
+        for i in self.narrow:
+            (a, b), r = spans[i], self.rows_of[i] - self.lo
+            gather[r, : b - a] = np.arange(a, b)
+            back[a:b] = r * self.width + np.arange(b - a)
+        at = self.rows * self.width
+        for i in self.wide:
+            a, b = spans[i]
+            back[a:b] = at + np.arange(b - a)
+            at += b - a
+        self.gather, self.back = mx.array(gather.reshape(-1)), mx.array(back)
+
+    def _rows(self, width: int, sizes: list[int]) -> int:
+        """Query rows that attention runs with lanes of at most `width` rows stacked."""
+        rows = [self.rows_of[i] for i, n in enumerate(sizes) if n <= width]
+        return (max(rows) + 1 - min(rows)) * width + sum(n + self.OWN_CALL for n in sizes if n > width)
 
     def stacked_mask(self, caches: list[LaneKVCache], window_size: int | None, keys: int) -> mx.array:
-        """[lanes, 1, width, keys] bool: each lane's own mask (its rows over its positions), every
-        other place False; rows of no lane see one key (their output is dropped)."""
+        """[rows, 1, width, keys] bool over the stack's rows lo..hi: each narrow lane's own mask
+        (its rows over its positions), every other place False; rows of no narrow lane see one key
+        (their output is dropped)."""
         key = (window_size, caches[0].window, keys)
         if key not in self.masks:
-            lanes, width = caches[0].stack.lanes, self.width
+            width = self.width
             idle = mx.arange(keys)[None].astype(mx.int32) == mx.zeros((width, 1), mx.int32)  # key 0 only
-            out = [idle] * lanes
-            for c, r, (a, b), tp, before in zip(caches, self.rows_of, self.spans, self.layouts, self.before):
-                t = b - a
-                m = dense_mask(c.mask_at(before, t, tp, window_size), t, before + t)
-                out[r] = _pad(_pad(m, 1, keys), 0, width, True)
+            out = [idle] * self.rows
+            for i in self.narrow:
+                c, t, before = caches[i], self.spans[i][1] - self.spans[i][0], self.before[i]
+                m = dense_mask(c.mask_at(before, t, self.layouts[i], window_size), t, before + t)
+                out[self.rows_of[i] - self.lo] = _pad(_pad(m, 1, keys), 0, width, True)
             self.masks[key] = mx.stack(out)[:, None]
         return self.masks[key]
 
@@ -90,7 +113,7 @@ class LaneView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         plan = self.plan
-        if plan.rows_of is not None and len(self.caches) > 1:  # every lane's rows into the stack at once
+        if plan.rows_of is not None:  # every lane's rows into the stack at once
             stack = self.caches[0].stack
             stack.reserve(max(p + b - a for p, (a, b) in zip(plan.before, plan.spans)), keys, values)
             for c, (a, b) in zip(self.caches, plan.spans):  # (no view of the stack is kept meanwhile,
@@ -108,7 +131,7 @@ class LaneView:
         if not isinstance(mask, LaneMask) or self.fetched is None:
             raise NotShared("the model's attention does not take the lanes' masks")
         plan = self.plan
-        if plan.rows_of is not None and len(self.caches) > 1:
+        if plan.rows_of is not None:
             return self._stacked(queries, scale, mask.window_size, sinks)
         out = []
         for c, (a, b), tp, before, (k, v) in zip(self.caches, plan.spans, plan.layouts, plan.before, self.fetched):
@@ -117,16 +140,25 @@ class LaneView:
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
     def _stacked(self, queries: mx.array, scale: float, window_size: int | None, sinks) -> mx.array:
-        """Every lane in one attention: queries gathered [lanes, heads, width, dim] against the
-        stack's keys up to the longest lane, each lane masked to its own positions."""
+        """The narrow lanes in one attention (queries gathered [rows, heads, width, dim] against
+        the stack's keys, rows lo..hi, up to the longest lane, each lane masked to its own
+        positions), then each wide lane in one of its own; every row back in its place."""
         plan, stack = self.plan, self.caches[0].stack
-        keys = max(c.offset for c in self.caches)
+        keys = max(self.caches[i].offset for i in plan.narrow)
         _, H, _, D = queries.shape
-        q = queries[0][:, plan.gather].reshape(H, stack.lanes, plan.width, D).transpose(1, 0, 2, 3)
-        out = attention.scaled_dot_product_attention(q, stack.keys[:, :, :keys], stack.values[:, :, :keys],
+        rows = slice(plan.lo, plan.lo + plan.rows)
+        q = queries[0][:, plan.gather].reshape(H, plan.rows, plan.width, D).transpose(1, 0, 2, 3)
+        out = attention.scaled_dot_product_attention(q, stack.keys[rows, :, :keys], stack.values[rows, :, :keys],
                                                      self.caches[0], scale,
                                                      plan.stacked_mask(self.caches, window_size, keys), sinks)
-        flat = out.transpose(1, 0, 2, 3).reshape(H, stack.lanes * plan.width, D)
+        parts = [out.transpose(1, 0, 2, 3).reshape(H, plan.rows * plan.width, D)]
+        for i in plan.wide:
+            c, (a, b) = self.caches[i], plan.spans[i]
+            k, v = c.keys_and_values()
+            lane_mask = c.mask_at(plan.before[i], b - a, plan.layouts[i], window_size)
+            parts.append(attention.scaled_dot_product_attention(queries[:, :, a:b], k, v, c, scale, lane_mask,
+                                                                sinks)[0])
+        flat = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
         return flat[:, plan.back][None]
 
 

@@ -7,9 +7,14 @@ from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.kvcache import KVStack, ModelCache
+from cacheback_mlx.positions import TreePass
 from cacheback_mlx.sampling import SamplingParams
-from cacheback_mlx.shared_pass import check_sharing
+from cacheback_mlx.shared_pass import PassPlan, batch_pass, check_sharing
+from cacheback_mlx.tree import DraftTree
+from cacheback_mlx.verify import prefill, verify_pass
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -131,24 +136,28 @@ def test_seeded_lanes_sample_as_their_solo_runs_beside_other_lanes():
 
 
 def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
-    line = (1.0, 0.02)  # a pass: 1 s, and 0.02 s per row past one a lane
+    costs = 1.0 + 0.02 * np.arange(Sizer.MAX_ROWS + 1)  # seconds by the pass's rows in all
     sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])
-    counts = share([(1, sure), (1, unsure), (1, np.zeros(0))], line)
+    counts = share([(1, sure), (1, unsure), (1, np.zeros(0))], costs)
     assert counts[0] == 4 and counts[1] == 0 and counts[2] == 0
     assert share([(1, sure), (1, unsure)], None) == [4, 2]  # a fixed budget: all that was offered
     # nothing worth a row: every lane runs its root only
-    assert share([(1, np.full(5, 0.01)), (1, np.full(3, 0.01))], line) == [0, 0]
-    assert share([(1, sure)], (1.0, 2.0)) == [0]  # rows dearer than what they bring
+    assert share([(1, np.full(5, 0.01)), (1, np.full(3, 0.01))], costs) == [0, 0]
+    assert share([(1, sure)], np.r_[0.0, 1.0 + 2.0 * np.arange(10)]) == [0]  # rows dearer than what they bring
+    # where a tile of rows costs what one row does, drafts that fill it ride free
+    tiled = np.array([0.0] + [1.0] * 8 + [2.0] * 8)
+    assert share([(1, np.full(7, 0.05))], tiled) == [7]
 
 
-def test_the_cost_of_a_shared_pass_is_learned_from_the_passes_run():
-    costs = LaneCosts(Sizer(CostTable({256: CURVE})))
-    a0, b0 = costs.line(8, 300)
-    for extra, seconds in [(0, 0.14), (8, 0.17), (24, 0.21), (0, 0.14), (16, 0.19)] * 20:
-        costs.timed(8, 300, extra, seconds)
-    a, b = costs.line(8, 300)
-    assert a == pytest.approx(0.14, rel=0.05) and b == pytest.approx(0.003, rel=0.2)
-    assert (a, b) != (a0, b0) and costs.line(4, 300) != (a, b)  # per lane count
+def test_the_cost_of_a_shared_pass_is_the_solo_price_of_its_rows_times_what_the_lanes_add():
+    sizer = Sizer(CostTable({256: CURVE}))
+    costs = LaneCosts(sizer)
+    assert np.array_equal(costs.costs(8, 300), sizer.costs(300))  # nothing timed: the solo price
+    for rows, ratio in [(8, 1.3), (16, 1.4), (32, 1.3), (8, 1.4)] * 20:
+        costs.timed(8, 300, rows, sizer.price(rows, 300) * ratio)
+    assert costs.factor(8, 300) == pytest.approx(1.35, rel=0.02)
+    assert np.allclose(costs.costs(8, 300), sizer.costs(300) * costs.factor(8, 300))
+    assert costs.factor(4, 300) == 1.0 and costs.factor(8, 3000) == 1.0  # per lane count and context band
 
 
 def test_the_sharing_check_names_why_lanes_take_turns():
@@ -195,3 +204,31 @@ def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it():
     assert all(lane.tokens == truth for lane in lanes)
     other = batch.run([dict(prompt=prompt[:20] + [5, 6, 7], max_tokens=6)])[0]  # a shorter shared prefix
     assert other.tokens == reference(model, prompt[:20] + [5, 6, 7], 6) and other.stats.prefill_tokens == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_wide_lane_attends_in_a_call_of_its_own_and_every_lane_equals_its_solo_pass(family):
+    """One lane of 13 rows beside lanes of 1-2: stacking them all would pay 13 query rows a lane,
+    so the wide lane goes alone (PassPlan.wide) and the narrow ones stacked; each lane's logits
+    equal its solo pass's to rounding, with the same picks."""
+    model = zoo.tiny_model(family)
+    prompts = PROMPTS[:4]
+    trees = [DraftTree([(i + 2) % 97 + 1 for i in range(12)], [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 6, 9]),
+             DraftTree([], []), DraftTree([5], [-1]), DraftTree([], [])]
+    logits = {}
+    for shared in (False, True):
+        stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if shared else None
+        caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
+        for c, p in zip(caches, prompts):
+            prefill(model, c, p[:-1])
+        passes = [(c, p[-1:], t, 1 + len(t)) for c, p, t in zip(caches, prompts, trees)]
+        if shared:
+            spans = list(zip(np.cumsum([0, 13, 1, 2])[:4], np.cumsum([13, 1, 2, 1])))
+            plan = PassPlan(caches, [(int(a), int(b)) for a, b in spans], [TreePass() for _ in caches])
+            assert plan.wide == [0] and plan.narrow == [1, 2, 3] and plan.width == 2
+            logits[shared] = batch_pass(model, passes)
+        else:
+            logits[shared] = [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes]
+    for a, b in zip(logits[False], logits[True]):
+        assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
+        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()

@@ -5,7 +5,8 @@ at a time on this machine.
     .venv/bin/python -m tools.server_load --clients 1,2,4,8 --max-tokens 128 --seeds 301,302,303
 
 Each client sends one chat completion (greedy) at the same moment: a Spec-Bench first turn or a
-HumanEval prompt (a seeded sample, alternating). Per server and client count: aggregate completion
+HumanEval prompt (a seeded sample, alternating); with `--rounds K`, K of them one after another
+(a steady load at a fixed concurrency). Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
 latency, and whether every answer equals mlx-lm's server's, text for text.
 """
@@ -78,11 +79,18 @@ def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, fl
             body["usage"]["prompt_tokens"])
 
 
-def clients(url: str, texts: list[str], max_tokens: int, model: str) -> tuple[list, float]:
+def clients(url: str, texts: list[str], max_tokens: int, model: str, n: int | None = None) -> tuple[list, float]:
+    """n clients (default: one per text) at once, each sending its texts (i, i + n, ...) one after
+    another, the next when the last is answered; (every answer in text order, the wall time)."""
+    n = n or len(texts)
     out = [None] * len(texts)
+
+    def client(i: int) -> None:
+        for k in range(i, len(texts), n):
+            out[k] = chat(url, texts[k], max_tokens, model)
+
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, chat(url, texts[i], max_tokens, model)))
-               for i in range(len(texts))]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -97,7 +105,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="301")
     ap.add_argument("--servers", default="ours auto,ours none,mlx-lm")
     ap.add_argument("--parallel", type=int, default=0, help="our lanes (0: as many as the most clients)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="requests each client sends one after another (1: the clients' requests all start at once "
+                         "and the run ends with the slowest; more: a steady load, as serving benchmarks at a fixed "
+                         "concurrency run it)")
     ap.add_argument("--dump", default=None, help="write every answer's text here (JSON)")
+    ap.add_argument("--vs-solo", action="store_true",
+                    help="then send every request alone to a fresh server, and report each one's latency under "
+                         "load against it")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -106,8 +121,9 @@ def main(argv=None) -> None:
     from tools.dist_bench import export_default
 
     folder = export_default(work / "model")
-    samples = {(c, s): prompt_texts(c, s) for c in counts for s in seeds}
+    samples = {(c, s): prompt_texts(c * args.rounds, s) for c in counts for s in seeds}
     results: dict[str, dict] = {}
+    solo: dict = {}  # (server, (clients, seed)) -> each request's answer sent alone
     for kind in args.servers.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -117,16 +133,26 @@ def main(argv=None) -> None:
             model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
             clients(url, ["Say hello.", "Count to three."], 8, model)  # warm-up
             for key, texts in samples.items():
-                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model)
+                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
         finally:
             proc.terminate()
             proc.wait(30)
+        if args.vs_solo:  # on a fresh server: this one's caches and drafters have seen the answers
+            proc = launch(kind, folder, port, parallel, tempfile.mkdtemp(dir=work))
+            try:
+                wait_ready(url, proc)
+                clients(url, ["Say hello.", "Count to three."], 8, model)
+                for key, texts in samples.items():
+                    solo[(kind, key)] = [chat(url, t, args.max_tokens, model) for t in texts]
+            finally:
+                proc.terminate()
+                proc.wait(30)
     if args.dump:
         answers = {f"{k}|{c}|{s}": [(o[0], o[3]) for o in outs]  # (text, prompt tokens)
                    for k, runs in results.items() for (c, s), (outs, _) in runs.items()}
         Path(args.dump).write_text(json.dumps(answers, indent=1))
     ref = results.get("mlx-lm", {})
-    print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}")
+    print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}; requests per client: {args.rounds}")
     print("| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as mlx-lm |")
     print("|---|---|---|---|---|---|---|")
     summary: dict = {}
@@ -138,6 +164,13 @@ def main(argv=None) -> None:
             summary.setdefault((kind, c), []).append(tokens / wall)
             print(f"| {kind} | {c} | {s} | {tokens / wall:.1f} | {statistics.median(lat):.1f} | {max(lat):.1f} "
                   f"| {same} |")
+    if solo:
+        print("\n| server | clients | seed | latency under load / alone: median | worst | answers as alone |")
+        print("|---|---|---|---|---|---|")
+        for (kind, (c, s)), alone in solo.items():
+            ratios = [o[2] / a[2] for o, a in zip(results[kind][(c, s)][0], alone)]
+            same = [o[0] for o in results[kind][(c, s)][0]] == [a[0] for a in alone]
+            print(f"| {kind} | {c} | {s} | {statistics.median(ratios):.2f}x | {max(ratios):.2f}x | {same} |")
     for c in counts:
         line = [f"{kind} {statistics.mean(summary[(kind, c)]):.1f}" for kind in results]
         if "mlx-lm" in results and "ours auto" in results:

@@ -1,0 +1,76 @@
+"""What one shared pass over a batch's lanes costs, by how its rows are spread over the lanes,
+against the sizer's price of a solo pass of as many rows (what batch.LaneCosts scales).
+
+    .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"]
+
+A layout lists each lane's rows: "2x8" is 8 lanes of 2 rows, "9+1x7" one lane of 9 beside 7 of 1.
+Every lane holds `--context` cached tokens (random ids); each layout's pass (chains) is timed
+--repeats times after two warm-ups and the median printed, with how attention ran it
+(shared_pass.PassPlan: the stacked width and the lanes in calls of their own).
+"""
+
+from __future__ import annotations
+
+import time
+
+import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
+
+import click
+
+
+def parse(layout: str) -> list[int]:
+    """"9+1x7" -> [9, 1, 1, 1, 1, 1, 1, 1]."""
+    rows = []
+    for part in layout.split("+"):
+        n, _, times = part.partition("x")
+        rows += [int(n)] * int(times or 1)
+    return rows
+
+
+@click.command()
+@click.option("--model", "-m", default=None)
+@click.option("--context", default=400)
+@click.option("--layouts", default="1x8;2x8;3x8;9+1x7;16+1x7;5x2+1x6;3x5+1x3")
+@click.option("--repeats", default=7)
+def main(model, context, layouts, repeats):
+    from cacheback_mlx.api import Session
+    from cacheback_mlx.positions import TreePass
+    from cacheback_mlx.shared_pass import PassPlan, batch_pass
+    from cacheback_mlx.tree import DraftTree
+
+    import mlx.core as mx
+    import numpy as np
+
+    shapes = [parse(x) for x in layouts.split(";")]
+    session = Session(model, "none")
+    batch = session.batch(max(len(s) for s in shapes))
+    rng = np.random.default_rng(0)
+    vocab = min(session.engine.vocab_size, 20000)
+    lanes = [batch.join(rng.integers(100, vocab, context).tolist(), 10**6) for _ in range(batch.n)]
+    sizer = batch.engine.sizer
+
+    def chain(rows: int) -> DraftTree:
+        return DraftTree(list(range(5, 4 + rows)), list(range(-1, rows - 2)))
+
+    print(f"{batch.n} lanes, {context} cached tokens each; median of {repeats}")
+    print("| rows by lane | rows | shared pass ms | solo price ms | ratio | stacked width | own calls |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for rows in shapes:
+        times = []
+        for _ in range(repeats + 2):
+            passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
+            t0 = time.perf_counter()
+            mx.eval(batch_pass(batch.model, passes))
+            times.append(time.perf_counter() - t0)
+            for lane in lanes[: len(rows)]:
+                lane.seq.cache.finish_pass([0], False)
+        spans = list(zip(np.cumsum([0] + rows[:-1]).tolist(), np.cumsum(rows).tolist()))
+        plan = PassPlan([lane.seq.cache for lane in lanes[: len(rows)]], spans, [TreePass() for _ in rows])
+        ms = float(np.median(times[2:])) * 1e3
+        price = sizer.price(sum(rows), context) * 1e3
+        width, own = (plan.width, len(getattr(plan, "wide", []))) if plan.rows_of is not None else ("-", "-")
+        print(f"| {rows} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | {width} | {own} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
