@@ -44,7 +44,7 @@ class LaneCosts:
     """What a shared pass costs on this machine: the sizer's price of a solo pass of as many rows
     (its measured table knows the BLAS's row tiles) times what the lanes add: each attends over
     its own cache, and its keys and values are written apart. That factor is about level across
-    the pass's rows (1.24-1.37 for 8 lanes of a 135M model at 8-23 rows, docs/BENCHMARKS.md), so
+    the pass's rows (1.25-1.5 for 8 lanes of a 135M model at 8-24 rows, docs/BENCHMARKS.md §10), so
     it is learned per lane count and context band as one number: a running mean over the passes
     run, recent ones weighing more."""
 
