@@ -6,9 +6,10 @@ at a time on this machine.
 
 Each client sends one chat completion (greedy) at the same moment: a Spec-Bench first turn or a
 HumanEval prompt (a seeded sample, alternating); with `--rounds K`, K of them one after another
-(a steady load at a fixed concurrency). Per server and client count: aggregate completion
+(a steady load at a fixed concurrency); with `--kind infill`, llama.vim's /infill requests on
+click's core.py instead (our servers only). Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
-latency, and whether every answer equals mlx-lm's server's, text for text.
+latency, and whether every answer equals mlx-lm's server's (else ours `none`'s), text for text.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -79,7 +81,29 @@ def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, fl
             body["usage"]["prompt_tokens"])
 
 
-def clients(url: str, texts: list[str], max_tokens: int, model: str, n: int | None = None) -> tuple[list, float]:
+def infill_bodies(n: int, seed: int) -> list[dict]:
+    """n llama.vim completion bodies (tools/editor/replay.fim_body), each with the cursor at the start
+    of a line of click's core.py that is cut out (about to be typed); a seeded sample of lines."""
+    from tools.editor.replay import default_file, fim_body
+
+    doc = default_file().read_text().splitlines()
+    rng = random.Random(seed)
+    lines = rng.sample([y for y, line in enumerate(doc) if line.strip() and y > 20], n)
+    return [fim_body(doc[:y] + [""] + doc[y + 1:], y, [], 600_000) for y in lines]
+
+
+def infill(url: str, body: dict, max_tokens: int, model: str) -> tuple[str, int, float, int]:
+    """llama.vim's request (its response_fields), greedy and with no time limit: (the completion, its tokens, seconds,
+    the prompt's tokens)."""
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/infill", timeout=1200,
+                   json={**body, "n_predict": max_tokens, "temperature": 0.0, "t_max_prompt_ms": 600_000})
+    r.raise_for_status()
+    out = r.json()
+    return out["content"], out["timings/predicted_n"], time.perf_counter() - t0, out["tokens_evaluated"]
+
+
+def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = None) -> tuple[list, float]:
     """n clients (default: one per text) at once, each sending its texts (i, i + n, ...) one after
     another, the next when the last is answered; (every answer in text order, the wall time)."""
     n = n or len(texts)
@@ -87,7 +111,8 @@ def clients(url: str, texts: list[str], max_tokens: int, model: str, n: int | No
 
     def client(i: int) -> None:
         for k in range(i, len(texts), n):
-            out[k] = chat(url, texts[k], max_tokens, model)
+            send = infill if isinstance(texts[k], dict) else chat
+            out[k] = send(url, texts[k], max_tokens, model)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
@@ -109,6 +134,9 @@ def main(argv=None) -> None:
                     help="requests each client sends one after another (1: the clients' requests all start at once "
                          "and the run ends with the slowest; more: a steady load, as serving benchmarks at a fixed "
                          "concurrency run it)")
+    ap.add_argument("--kind", choices=["chat", "infill"], default="chat",
+                    help="chat: chat completions; infill: llama.vim's /infill requests on click's core.py (our "
+                         "servers only: mlx-lm's has no /infill)")
     ap.add_argument("--dump", default=None, help="write every answer's text here (JSON)")
     ap.add_argument("--vs-solo", action="store_true",
                     help="then send every request alone to a fresh server, and report each one's latency under "
@@ -121,7 +149,10 @@ def main(argv=None) -> None:
     from tools.dist_bench import export_default
 
     folder = export_default(work / "model")
-    samples = {(c, s): prompt_texts(c * args.rounds, s) for c in counts for s in seeds}
+    if args.kind == "infill" and "mlx-lm" in args.servers.split(","):
+        raise SystemExit("mlx-lm's server has no /infill: pass --servers 'ours auto,ours none'")
+    sample = prompt_texts if args.kind == "chat" else infill_bodies
+    samples = {(c, s): sample(c * args.rounds, s) for c in counts for s in seeds}
     results: dict[str, dict] = {}
     solo: dict = {}  # (server, (clients, seed)) -> each request's answer sent alone
     for kind in args.servers.split(","):
@@ -143,7 +174,7 @@ def main(argv=None) -> None:
                 wait_ready(url, proc)
                 clients(url, ["Say hello.", "Count to three."], 8, model)
                 for key, texts in samples.items():
-                    solo[(kind, key)] = [chat(url, t, args.max_tokens, model) for t in texts]
+                    solo[(kind, key)] = [clients(url, [t], args.max_tokens, model)[0][0] for t in texts]
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -151,9 +182,10 @@ def main(argv=None) -> None:
         answers = {f"{k}|{c}|{s}": [(o[0], o[3]) for o in outs]  # (text, prompt tokens)
                    for k, runs in results.items() for (c, s), (outs, _) in runs.items()}
         Path(args.dump).write_text(json.dumps(answers, indent=1))
-    ref = results.get("mlx-lm", {})
+    ref_name = "mlx-lm" if "mlx-lm" in results else "ours none"
+    ref = results.get(ref_name, {})
     print(f"lanes (ours): {parallel}; max_tokens {args.max_tokens}; requests per client: {args.rounds}")
-    print("| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as mlx-lm |")
+    print(f"| server | clients | seed | aggregate tok/s | median latency s | worst latency s | same as {ref_name} |")
     print("|---|---|---|---|---|---|---|")
     summary: dict = {}
     for kind, runs in results.items():
