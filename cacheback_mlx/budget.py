@@ -215,15 +215,17 @@ class Sizer:
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
 
-    def __init__(self, cost: CostTable | PriorCost, pad: bool = True, learn: bool = True):
+    def __init__(self, cost: CostTable | PriorCost, pad: bool = True, learn: bool = True,
+                 rates: RankRates | None = None, calibration: Calibration | None = None):
         """pad: passes may be padded to a cheaper measured row count (the engine turns it off
         for recurrent layers, where padded rows would run the recurrence). learn: correct the
-        table's prices from the passes' own times (`timed`)."""
+        table's prices from the passes' own times (`timed`). rates, calibration: what drafts'
+        acceptance was learned into (default: new, empty ones)."""
         self.cost = cost
         self.pad = pad
         self.learn = learn
-        self.rates = RankRates()
-        self.calibration = Calibration()
+        self.rates = rates or RankRates()
+        self.calibration = calibration or Calibration()
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
@@ -243,9 +245,7 @@ class Sizer:
         request: a lane's own tables started afresh with every request and sent too few drafts),
         with its own state between offer and update; it neither pads nor learns prices (the
         batch prices its shared passes)."""
-        sizer = Sizer(self.cost, pad=False, learn=False)
-        sizer.rates, sizer.calibration = self.rates, self.calibration
-        return sizer
+        return Sizer(self.cost, pad=False, learn=False, rates=self.rates, calibration=self.calibration)
 
     def set_cost(self, cost: CostTable | PriorCost) -> None:
         """Price passes by `cost` from now on (a table measured meanwhile); what was learned of the

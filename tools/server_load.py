@@ -15,6 +15,7 @@ latency, and whether every answer equals mlx-lm's server's (else ours `none`'s),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -114,13 +115,38 @@ def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = 
             send = infill if isinstance(texts[k], dict) else chat
             out[k] = send(url, texts[k], max_tokens, model)
 
+    failed = []
+
+    def run(i: int) -> None:
+        try:
+            client(i)
+        except Exception as e:  # noqa: BLE001 - reported once the other clients are done
+            failed.append(e)
+
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise SystemExit(f"a client's request failed: {type(failed[0]).__name__}: {failed[0]}")
     return out, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def serving(kind: str, folder: Path, port: int, parallel: int, cache: str):
+    """A server of `kind` launched, ready and warmed up; the model name its requests give."""
+    proc = launch(kind, folder, port, parallel, cache)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
+        model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
+        clients(url, ["Say hello.", "Count to three."], 8, model)  # warm-up
+        yield model
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def main(argv=None) -> None:
@@ -158,26 +184,13 @@ def main(argv=None) -> None:
     for kind in args.servers.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = launch(kind, folder, port, parallel, tempfile.mkdtemp(dir=work))
-        try:
-            wait_ready(url, proc)
-            model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
-            clients(url, ["Say hello.", "Count to three."], 8, model)  # warm-up
+        with serving(kind, folder, port, parallel, tempfile.mkdtemp(dir=work)) as model:
             for key, texts in samples.items():
                 results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
-        finally:
-            proc.terminate()
-            proc.wait(30)
         if args.vs_solo:  # on a fresh server: this one's caches and drafters have seen the answers
-            proc = launch(kind, folder, port, parallel, tempfile.mkdtemp(dir=work))
-            try:
-                wait_ready(url, proc)
-                clients(url, ["Say hello.", "Count to three."], 8, model)
+            with serving(kind, folder, port, parallel, tempfile.mkdtemp(dir=work)) as model:
                 for key, texts in samples.items():
                     solo[(kind, key)] = [clients(url, [t], args.max_tokens, model)[0][0] for t in texts]
-            finally:
-                proc.terminate()
-                proc.wait(30)
     if args.dump:
         answers = {f"{k}|{c}|{s}": [(o[0], o[3]) for o in outs]  # (text, prompt tokens)
                    for k, runs in results.items() for (c, s), (outs, _) in runs.items()}
