@@ -141,6 +141,9 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     attend = getattr(cache, "attend", None)
     if attend is not None:
         return attend(queries, scale, mask, sinks)
+    attend_keys = getattr(mask, "attend_keys", None)  # a shared pass's layer over another layer's keys
+    if attend_keys is not None:
+        return attend_keys(queries, keys, scale, sinks)
     if queries.shape[2] > 1 and kernels.in_rows_pass():
         out = kernels.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks)
         if out is not None:

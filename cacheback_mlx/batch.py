@@ -6,14 +6,18 @@ rows out among all lanes' drafts (share, over LaneCosts); all lanes' rows go thr
 the model (shared_pass.batch_pass: the weights read once, attention per lane over its own caches,
 mask and positions). Then each lane accepts, rolls back and updates its drafter as
 engine.generate does. Lanes join and leave between passes; a joining lane takes over another
-lane's cached prefix of its prompt instead of prefilling it.
+lane's cached prefix of its prompt instead of prefilling it, and prefills the rest a chunk a step
+(the lane with the fewest tokens left first), so running lanes never wait for a newcomer's whole
+prompt: the chunk rides in the lanes' shared pass or goes in a pass of its own, whichever has cost
+less here (Riding).
 
 A lane's output is its solo output: a shared pass is checked against passes of their own on the
 model before lanes share (shared_pass.check_sharing). Models whose lanes cannot share a pass take
 turns, one pass per lane, with the same output: recurrent layers (the recurrence would run
-across lanes), layers without a cache of their own, code that reads positions in ways a tree
-cannot place, an attention that does not take the lanes' masks, or a backend where a shared pass
-differs beyond rounding.
+across lanes), code that reads positions in ways a tree cannot place, an attention that does not
+take the lanes' masks, or a backend where a shared pass differs beyond rounding. Layers that
+attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the pass through
+that layer's view (shared_pass.LaneView, LaneMask).
 """
 
 from __future__ import annotations
@@ -72,15 +76,47 @@ class LaneCosts:
         self.ratios[key] = (w * self.DECAY + 1.0, total * self.DECAY + ratio)
 
 
-def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
+class Riding:
+    """Whether a prefill chunk rides in the running lanes' pass (the weights read once for both)
+    or goes in a pass of its own, by what each way has cost a chunk's token here: riding, the
+    pass's time beyond the price of the same pass without the chunk (LaneCosts); alone, the
+    chunk's own time. Running means; the way not chosen is tried again once in TRY chunks. On a
+    GPU a pass's rows are nearly free and riding saves a pass; on a CPU a chunk's rows cost most
+    of the pass and riding can lose (the output head runs on the chunk's rows too)."""
+
+    TRY = 8
+    DECAY = 0.9
+
+    def __init__(self, fixed: bool | None = None):
+        self.fixed = fixed  # True / False: always that way (None: learned)
+        self.means: dict[bool, tuple[float, float]] = {}  # way -> (weight, sum of seconds a token)
+        self.chunks = 0
+
+    def ride(self) -> bool:
+        if self.fixed is not None:
+            return self.fixed
+        self.chunks += 1
+        for way in (True, False):
+            if way not in self.means:
+                return way
+        cost = {way: total / w for way, (w, total) in self.means.items()}
+        best = cost[True] <= cost[False]
+        return (not best) if self.chunks % self.TRY == 0 else best
+
+    def timed(self, ride: bool, tokens: int, seconds: float) -> None:
+        w, total = self.means.get(ride, (0.0, 0.0))
+        self.means[ride] = (w * self.DECAY + 1.0, total * self.DECAY + max(seconds, 0.0) / max(tokens, 1))
+
+
+def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None, extra: int = 0) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
     the count taken is the one with the most expected tokens per second of the whole pass, by
-    `costs` (LaneCosts.costs: seconds by the pass's rows in all). Without them (a fixed budget)
-    every lane sends all it offered."""
+    `costs` (LaneCosts.costs: seconds by the pass's rows in all), which also carries `extra` rows
+    (a prefill chunk). Without them (a fixed budget) every lane sends all it offered."""
     if costs is None:
         return [len(s) for _, s in offers]
-    base = sum(lead for lead, _ in offers)
+    base = extra + sum(lead for lead, _ in offers)
     heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
     heapq.heapify(heap)
     order, expected = [], [float(len(offers))]
@@ -111,6 +147,11 @@ class Lane:
     tokens: list[int] = field(default_factory=list)  # produced so far (EOS excluded)
     done: bool = False
     finish_reason: str | None = None  # "stop" (EOS) or "length"
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill, its last one included
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.pending)
 
 
 class Batch:
@@ -118,7 +159,9 @@ class Batch:
     docstring). A lane's sequence and drafter stay for the next request, which reuses the caches
     of the lane whose tokens share the longest prefix with its prompt."""
 
-    def __init__(self, engine: Engine, n: int, make_drafter: Callable[[], Drafter]):
+    def __init__(self, engine: Engine, n: int, make_drafter: Callable[[], Drafter], ride: bool | None = None):
+        """ride: prefill chunks always ride in the running lanes' passes (True), never (False), or
+        as measured here (None: Riding; never with a fixed budget, which prices no pass)."""
         if n < 1:
             raise CachebackError(f"a batch needs at least one lane (got {n})")
         self.engine, self.model, self.n = engine, engine.model, n
@@ -129,8 +172,10 @@ class Batch:
         self.reason = sharing(engine)  # None: lanes share each pass
         self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
+        self.rode = 0  # prefill chunks that rode in a shared pass
         self.clock = 0  # requests started (which lane was used longest ago)
         self.costs = LaneCosts(engine.sizer) if engine.sizer is not None else None  # None: a fixed budget
+        self.riding = Riding(ride if ride is not None or self.costs is not None else False)
 
     def _new_stacks(self) -> list[KVStack] | None:
         return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
@@ -142,9 +187,11 @@ class Batch:
             raise CachebackError(f"all {self.n} lanes are busy")
         return choose_sequence(self.seqs, prompt, free)
 
-    def _enter(self, prompt: list[int], context, stop, fresh: bool) -> tuple[int, Stats]:
+    def _enter(self, prompt: list[int], context, stop, fresh: bool, now: bool = True) -> tuple[int, Stats, list[int]]:
         """Take the free lane that reuses most of the prompt and bring its caches up to it but its
-        last token (which leads the first pass); its drafter (a new one with `fresh`) learns it."""
+        last token (which leads the first pass), now, or (`now` False) later, a chunk a pass: the
+        prompt's tokens still to prefill, its last one included. The lane's drafter (a new one with
+        `fresh`) learns the prompt."""
         i = self._free_lane(prompt)
         if self.seqs[i] is None or fresh:
             if self.drafters[i] is not None:
@@ -158,15 +205,19 @@ class Batch:
         t0 = time.perf_counter()
         keep = seq.cache.trim(common_prefix(seq.cached, prompt[:-1]))
         keep = self._copy_prefix(i, prompt[:-1], keep)
-        done = prefill(self.model, seq.cache, prompt[keep:-1], eng.chunk_rule(), timed=eng.planner.prefilled, stop=stop)
+        done = 0
+        if now:
+            done = prefill(self.model, seq.cache, prompt[keep:-1], eng.chunk_rule(), timed=eng.planner.prefilled,
+                           stop=stop)
         seq.cached = prompt[: keep + done]
-        if keep + done < len(prompt) - 1:
+        if now and keep + done < len(prompt) - 1:
             seq.lead = []
             raise Interrupted(f"prefill stopped after {keep + done} of {len(prompt) - 1} tokens")
-        seq.lead = prompt[-1:]
+        pending = prompt[keep + done :]
+        seq.lead = pending if len(pending) == 1 else []
         stats.prefill_tokens, stats.prefill_s = len(prompt) - 1 - keep, time.perf_counter() - t0
         seq.history = start_request(self.drafters[i], seq.history, prompt, context, seq.learned)
-        return i, stats
+        return i, stats, pending if len(pending) > 1 else []
 
     def _copy_prefix(self, i: int, prompt: list[int], keep: int) -> int:
         """Where another lane's caches hold a longer prefix of the prompt than lane i's `keep`
@@ -190,27 +241,27 @@ class Batch:
         return best
 
     def join(self, prompt: Seq[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
-             context=(), stop=None, fresh: bool = False) -> Lane:
-        """Start a request in a free lane: prefill what its caches lack of the prompt but the last
-        token, let its drafter learn the prompt (`context`: text beside it, learning.start_request;
-        `fresh`: a new drafter that learned nothing). `stop`: asked between prefill chunks; True
-        stops the prefill there (engine.Interrupted), the chunks done kept, so the same prompt
-        later goes on from them."""
+             context=(), fresh: bool = False) -> Lane:
+        """Start a request in a free lane and let its drafter learn the prompt (`context`: text
+        beside it, learning.start_request; `fresh`: a new drafter that learned nothing). What the
+        lane's caches lack of the prompt is prefilled by the next steps, a chunk each; a lane that
+        leaves meanwhile keeps the chunks done, so the same prompt later goes on from them."""
         eng = self.engine
         prompt = eng.check(prompt, max_tokens)
         if max_tokens == 0:
             raise CachebackError("max_tokens must be > 0")
-        i, stats = self._enter(prompt, context, stop, fresh)
+        i, stats, pending = self._enter(prompt, context, None, fresh, now=False)
         sizer = eng.sizer and eng.sizer.lane()
         max_tokens = min(max_tokens, eng.context_length - len(prompt))
-        lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats)
+        lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats,
+                    pending=pending)
         self.lanes[i] = lane
         return lane
 
     def warm(self, prompt: Seq[int], context=(), stop=None) -> tuple[int, Stats]:
         """Bring a free lane's caches up to the prompt and generate nothing (an editor's warm-up),
         so a request that starts with it only prefills what follows; (the lane, its counters)."""
-        return self._enter(self.engine.check(prompt, 0), context, stop, False)
+        return self._enter(self.engine.check(prompt, 0), context, stop, False)[:2]
 
     def close(self) -> None:
         """End every lane's request and release the lanes' drafters."""
@@ -231,10 +282,58 @@ class Batch:
 
     def step(self) -> list[tuple[Lane, list[int]]]:
         """One pass for every running lane: (lane, the tokens it produced) per lane, in lane
-        order; a lane that finished (EOS or its token limit) has left the batch."""
+        order; a lane that finished (EOS or its token limit) has left the batch. Of the lanes
+        still prefilling, the one with the fewest tokens left takes a chunk: in the shared pass
+        where lanes share one, else in a pass of its own."""
         eng, lanes = self.engine, [self.lanes[i] for i in sorted(self.lanes)]
         if not lanes:
             return []
+        decoding = [lane for lane in lanes if not lane.prefilling]
+        feeding, chunk = self._next_chunk(lanes)
+        if feeding is not None:
+            alone = not decoding or self.reason is not None  # nothing to share a pass with, or turns
+            if alone or not self.riding.ride():
+                t0 = time.perf_counter()
+                prefill(self.model, feeding.seq.cache, chunk, len(chunk), timed=eng.planner.prefilled)
+                seconds = time.perf_counter() - t0
+                if not alone:
+                    self.riding.timed(False, len(chunk), seconds)
+                self._fed(feeding, chunk, seconds)
+                feeding, chunk = None, []
+        out = [(lane, []) for lane in lanes if all(lane is not d for d in decoding)]
+        if decoding:
+            out += self._decode(decoding, feeding, chunk)
+        return sorted(out, key=lambda x: x[0].index)
+
+    def _next_chunk(self, lanes: list[Lane]) -> tuple[Lane | None, list[int]]:
+        """The prefilling lane with the fewest tokens left and its next chunk; first, a lane whose
+        prompt another lane's caches now hold more of (several completions of one prompt) copies
+        that instead (_copy_prefix), and one that then holds it all waits for the next pass."""
+        rule = self.engine.chunk_rule()
+        for lane in sorted((lane for lane in lanes if lane.prefilling), key=lambda lane: len(lane.pending)):
+            seq = lane.seq
+            held = len(seq.cached)
+            prompt = seq.cached + lane.pending
+            keep = self._copy_prefix(lane.index, prompt[:-1], held)
+            if keep > held:
+                lane.stats.prefill_tokens -= keep - held
+                self._fed(lane, [], 0.0, prompt[keep:])
+            if lane.prefilling:
+                size = rule(seq.cache.length) if callable(rule) else rule
+                return lane, lane.pending[: min(size, len(lane.pending) - 1)]
+        return None, []
+
+    def _fed(self, lane: Lane, chunk: list[int], seconds: float, pending: list[int] | None = None) -> None:
+        """A prefilling lane after a chunk of its prompt went into its caches."""
+        lane.seq.cached.extend(chunk)
+        lane.pending = lane.pending[len(chunk) :] if pending is None else pending
+        lane.stats.prefill_s += seconds
+        if len(lane.pending) == 1:  # the prompt's last token leads the lane's first pass
+            lane.seq.lead, lane.pending = lane.pending, []
+
+    def _decode(self, lanes: list[Lane], feeding: Lane | None, chunk: list[int]) -> list[tuple[Lane, list[int]]]:
+        """One pass for the decoding lanes (with a prefilling lane's chunk riding along)."""
+        eng = self.engine
         # draft: each lane within the tokens and context it has left
         t0 = time.perf_counter()
         offers = []
@@ -251,7 +350,7 @@ class Batch:
         if self.costs is None:
             counts = share(asked, None)
         elif self.reason is None:  # one pass for all
-            counts = share(asked, self.costs.costs(len(lanes), context))
+            counts = share(asked, self.costs.costs(len(lanes), context), extra=len(chunk))
         else:  # a pass each
             counts = [share([a], self.costs.costs(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
         trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
@@ -260,19 +359,28 @@ class Batch:
         # verify: one shared pass, or one per lane
         t0 = time.perf_counter()
         rows = [len(lane.seq.lead) + len(tree) for lane, tree in zip(lanes, trees)]
-        if eng.sizer is not None and eng.sizer.pad and self.reason is None:  # the last lane takes the
-            rows[-1] += eng.sizer.rows(sum(rows), context) - sum(rows)  # padding where more rows cost less
+        if eng.sizer is not None and eng.sizer.pad and self.reason is None and not chunk:  # the last lane takes
+            rows[-1] += eng.sizer.rows(sum(rows), context) - sum(rows)  # the padding where more rows cost less
         passes = [(lane.seq.cache, lane.seq.lead, tree, padded_size(n, eng.buckets))
                   for lane, tree, n in zip(lanes, trees, rows)]
-        logits = (batch_pass(self.model, passes) if self.reason is None else
+        riding = [(feeding.seq.cache, chunk, DraftTree([], []), len(chunk))] if chunk else []
+        logits = (batch_pass(self.model, passes + riding) if self.reason is None else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
-        mx.eval(picks)
+        mx.eval(picks, feeding.seq.cache.arrays() if chunk else [])
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:
-            self.costs.timed(len(lanes), context, sum(p[3] for p in passes), seconds)
+            if chunk:
+                price = self.costs.costs(len(lanes), context)
+                self.riding.timed(True, len(chunk), seconds - price[min(sum(p[3] for p in passes), len(price) - 1)])
+            else:
+                self.costs.timed(len(lanes), context, sum(p[3] for p in passes), seconds)
         self.passes += 1
+        if chunk:
+            self.rode += 1
+            feeding.seq.cache.finish_pass(list(range(len(chunk))), True)
+            self._fed(feeding, chunk, seconds)
         # accept, roll back and update each lane
         out = []
         for lane, (_, lead, tree, rows), p in zip(lanes, passes, picks):

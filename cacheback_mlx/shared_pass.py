@@ -29,10 +29,18 @@ class NotShared(Exception):
 
 
 class LaneMask:
-    """The mask a LaneView hands the model: each lane's own is made at attention time."""
+    """The mask a LaneView hands the model: each lane's own is made at attention time. A layer
+    without a cache of its own that attends over the keys another layer's cache handed it (gemma4's
+    KV-shared layers) reaches that layer's view through the mask (`attend_keys`)."""
 
-    def __init__(self, window_size: int | None):
-        self.window_size = window_size
+    def __init__(self, window_size: int | None, plan: "PassPlan"):
+        self.window_size, self.plan = window_size, plan
+
+    def attend_keys(self, queries: mx.array, keys: mx.array, scale: float, sinks=None) -> mx.array:
+        view = self.plan.owners.get(id(keys))
+        if view is None:
+            raise NotShared("a layer attends over keys that no lane's cache handed out")
+        return view.attend(queries, scale, self, sinks)
 
 
 class PassPlan:
@@ -50,6 +58,7 @@ class PassPlan:
     def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
         self.spans, self.layouts = spans, layouts
         self.before = [c.length for c in caches]  # each lane's positions before this pass
+        self.owners: dict[int, LaneView] = {}  # id of the keys a view handed out -> the view (live in the pass)
         first = [c.layers[0] for c in caches]
         self.rows_of = [c.row for c in first] if all(isinstance(c, LaneKVCache) for c in first) else None
         self.masks: dict = {}
@@ -107,12 +116,20 @@ class LaneView:
     def __init__(self, caches: list[TreeKVCache], plan: PassPlan):
         self.caches, self.plan = caches, plan
         self.fetched: list | None = None
+        self.new: tuple | None = None
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> LaneMask:
-        return LaneMask(window_size)
+        return LaneMask(window_size, self.plan)
+
+    def keys_and_values(self):
+        """This pass's new keys and values (a layer that shares this cache, as gemma3n's KV-shared
+        layers do, attends through `attend`, which reads every lane's)."""
+        return self.new
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         plan = self.plan
+        self.new = keys, values
+        plan.owners[id(keys)] = self
         if plan.rows_of is not None:  # every lane's rows into the stack at once
             stack = self.caches[0].stack
             stack.reserve(max(p + b - a for p, (a, b) in zip(plan.before, plan.spans)), keys, values)
@@ -226,8 +243,6 @@ def sharing_reason(engine: Engine) -> str | None:
     cache = engine.seq.cache
     if engine.chain_reason:
         return engine.chain_reason
-    if cache.shared_layers:
-        return "layers without a cache of their own"
     if not all(isinstance(c, TreeKVCache) for c in cache.layers):
         return "layer caches that are not plain key/value caches"
     if engine.peers is not None:

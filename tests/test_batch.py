@@ -1,7 +1,7 @@
 """Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
-from cacheback_mlx.batch import Batch, LaneCosts, share
+from cacheback_mlx.batch import Batch, LaneCosts, Riding, share
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
@@ -28,7 +28,6 @@ PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for 
 LENGTHS = [24, 9, 17, 20, 12]
 # lanes that take turns instead of sharing a pass (batch.sharing_reason / check_sharing)
 TURNS = {"falcon_h1", "jamba", "lfm2", "mamba", "mamba2", "nemotron_h", "qwen3_5", "qwen3_next",  # recurrent
-         "gemma3n", "gemma4_text",  # layers without a cache of their own
          "gemma2"}  # attention that builds its own mask
 CURVE = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.4, 64: 4.0, 128: 7.5, 256: 15.0}
 
@@ -82,6 +81,53 @@ def test_a_cancelled_lane_never_disturbs_the_others():
     while batch.lanes:
         batch.step()
     assert late.tokens == known[3][1]
+
+
+@pytest.mark.parametrize("family,ride", [("llama", True), ("llama", False), ("gemma3_text", True),
+                                         ("qwen3_next", True)])
+def test_a_joining_prompt_goes_a_chunk_a_pass_while_the_running_lanes_keep_producing(family, ride):
+    """A 61-token prompt joins beside a running lane, in 8-token chunks: each chunk rides in the
+    running lane's pass (one pass for both where lanes share one; recurrent lanes take turns) or
+    goes in one of its own, the running lane produces a token at every step meanwhile, and both
+    outputs equal their solo runs."""
+    model = zoo.tiny_model(family)
+    long = [(13 * i + 5) % 97 + 1 for i in range(62)]
+    known = streams(model)[:1] + [(long, reference(model, long, 6))]
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=4)
+    eng.prefill_chunk = 8
+    batch = Batch(eng, 2, lambda: KnownStreamsDrafter(known, seed=1), ride=ride)
+    first = batch.join(PROMPTS[0], LENGTHS[0])
+    while first.seq.lead == [] or first.prefilling:  # the first prompt alone: chunks of its own
+        batch.step()
+    batch.step()
+    late = batch.join(long, 6)
+    steps, passes, rode = 0, batch.passes, batch.rode
+    while late.prefilling:
+        before = len(first.tokens)
+        batch.step()
+        steps += 1
+        assert len(first.tokens) > before or first.done  # the running lane never waits for the prompt
+    assert steps == -(-61 // 8) and late.stats.prefill_tokens == 61
+    if batch.reason is None:
+        assert batch.passes - passes == steps  # one shared pass a step, every chunk in it or beside it
+    assert batch.rode - rode == (steps if ride and batch.reason is None else 0)
+    while batch.lanes:
+        batch.step()
+    assert first.tokens == known[0][1] and late.tokens == known[1][1]
+
+
+def test_a_chunk_goes_the_way_that_cost_less_a_token_and_the_other_is_tried_now_and_then():
+    riding = Riding()
+    assert riding.ride() is True and riding.ride() is True  # untried: riding first, then alone
+    riding.timed(True, 100, 1.0)
+    assert riding.ride() is False
+    riding.timed(False, 100, 0.5)
+    ways = [riding.ride() for _ in range(4 * Riding.TRY)]
+    assert ways.count(True) == 4 and ways.count(False) == 4 * Riding.TRY - 4  # cheaper alone; riding retried
+    for _ in range(30):
+        riding.timed(True, 100, 0.2)  # riding got cheaper: it takes over
+    assert [riding.ride() for _ in range(Riding.TRY)].count(True) == Riding.TRY - 1
+    assert Riding(fixed=False).ride() is False and Riding(fixed=True).ride() is True
 
 
 def test_eos_ends_a_lane_and_bad_requests_are_one_line_errors():
@@ -197,10 +243,10 @@ def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it():
     truth = reference(model, prompt, 10)
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=6)
     batch = Batch(eng, 3, lambda: KnownStreamsDrafter([(prompt, truth)], seed=2))
-    lanes = [batch.join(prompt, 10) for _ in range(3)]
-    assert [lane.stats.prefill_tokens for lane in lanes] == [len(prompt) - 1, 0, 0]
+    lanes = [batch.join(prompt, 10) for _ in range(3)]  # all at once: the first prefills, the others wait
     while batch.lanes:
         batch.step()
+    assert [lane.stats.prefill_tokens for lane in lanes] == [len(prompt) - 1, 0, 0]
     assert all(lane.tokens == truth for lane in lanes)
     other = batch.run([dict(prompt=prompt[:20] + [5, 6, 7], max_tokens=6)])[0]  # a shorter shared prefix
     assert other.tokens == reference(model, prompt[:20] + [5, 6, 7], 6) and other.stats.prefill_tokens == 2

@@ -192,8 +192,10 @@ def main(argv=None) -> None:
                 for key, texts in samples.items():
                     solo[(kind, key)] = [clients(url, [t], args.max_tokens, model)[0][0] for t in texts]
     if args.dump:
-        answers = {f"{k}|{c}|{s}": [(o[0], o[3]) for o in outs]  # (text, prompt tokens)
-                   for k, runs in results.items() for (c, s), (outs, _) in runs.items()}
+        answers = {f"{k}|{c}|{s}": [(o[0], o[3], o[1], round(o[2], 3)) for o in outs]  # (text, prompt tokens,
+                   for k, runs in results.items() for (c, s), (outs, _) in runs.items()}  # tokens, seconds)
+        answers.update({f"{k} alone|{c}|{s}": [(o[0], o[3], o[1], round(o[2], 3)) for o in outs]
+                        for (k, (c, s)), outs in solo.items()})
         Path(args.dump).write_text(json.dumps(answers, indent=1))
     ref_name = "mlx-lm" if "mlx-lm" in results else "ours none"
     ref = results.get(ref_name, {})

@@ -150,6 +150,8 @@ class BatchRunner:
                 if not batch.lanes:
                     continue
                 for lane, produced in batch.step():
+                    if not produced and not lane.done:  # a chunk of its prompt went in
+                        continue
                     e = running[lane.index]
                     lane.stats.decode_s = lane.stats.verify_s + lane.stats.draft_s
                     e.send((produced, lane))
@@ -169,11 +171,13 @@ class BatchRunner:
             raise
 
     def _join(self, batch, e: Entry, running: dict) -> None:
-        """Admit one job: its prefill goes a chunk at a time while other lanes run (interrupted
-        between chunks, it waits at the head of the queue and goes on from the chunks done)."""
+        """Admit one job: its prefill goes a chunk a pass, in the running lanes' passes (batch.py).
+        An editor's warm-up (no tokens asked) prefills at once, between chunks giving way to
+        running lanes and waiting jobs (interrupted, it waits at the head of the queue and goes on
+        from the chunks done)."""
         gen, job = self.gen, e.job
 
-        def stop() -> bool:  # between chunks: let running lanes make a pass, waiting requests join
+        def stop() -> bool:
             return e.cancel or gen.stopping.is_set() or bool(batch.lanes) or bool(self.pending)
 
         if e.cancel or gen.stopping.is_set():
@@ -185,7 +189,7 @@ class BatchRunner:
                 e.stats = e.stats or Stats(prompt_tokens=len(job.ids))
                 e.send(None)
                 return
-            e.lane = batch.join(job.ids, job.max_tokens, job.sampling.params(e.offset), job.context, stop,
+            e.lane = batch.join(job.ids, job.max_tokens, job.sampling.params(e.offset), job.context,
                                 fresh=not gen.keep_drafter)
         except Interrupted:
             if e.cancel or gen.stopping.is_set():
