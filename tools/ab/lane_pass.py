@@ -47,6 +47,8 @@ def main(model, context, layouts, repeats):
     rng = np.random.default_rng(0)
     vocab = min(session.engine.vocab_size, 20000)
     lanes = [batch.join(rng.integers(100, vocab, context).tolist(), 10**6) for _ in range(batch.n)]
+    while any(lane.prefilling for lane in lanes):  # joins prefill a chunk a step
+        batch.step()
     sizer = batch.engine.sizer
 
     def chain(rows: int) -> DraftTree:
