@@ -108,15 +108,15 @@ class Riding:
         self.means[ride] = (w * self.DECAY + 1.0, total * self.DECAY + max(seconds, 0.0) / max(tokens, 1))
 
 
-def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None, extra: int = 0) -> list[int]:
+def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
     the count taken is the one with the most expected tokens per second of the whole pass, by
-    `costs` (LaneCosts.costs: seconds by the pass's rows in all), which also carries `extra` rows
-    (a prefill chunk). Without them (a fixed budget) every lane sends all it offered."""
+    `costs` (LaneCosts.costs: seconds by the pass's rows in all). Without them (a fixed budget)
+    every lane sends all it offered."""
     if costs is None:
         return [len(s) for _, s in offers]
-    base = extra + sum(lead for lead, _ in offers)
+    base = sum(lead for lead, _ in offers)
     heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
     heapq.heapify(heap)
     order, expected = [], [float(len(offers))]
@@ -350,7 +350,8 @@ class Batch:
         if self.costs is None:
             counts = share(asked, None)
         elif self.reason is None:  # one pass for all
-            counts = share(asked, self.costs.costs(len(lanes), context), extra=len(chunk))
+            counts = share(asked, self.costs.costs(len(lanes), context))  # as without the chunk: its rows
+            # would make any draft look cheap, and every draft sent delays the prompt
         else:  # a pass each
             counts = [share([a], self.costs.costs(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
         trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
@@ -432,9 +433,11 @@ class Batch:
                 k, req = waiting.pop(0)
                 running[k] = self.join(**req)
             t0 = time.perf_counter()
+            decoding = [k for k, lane in running.items() if not lane.prefilling]
             self.step()
+            for k in decoding:
+                running[k].stats.decode_s += time.perf_counter() - t0
             for k, lane in list(running.items()):
-                lane.stats.decode_s += time.perf_counter() - t0
                 if lane.done:
                     done[k] = running.pop(k)
         return [done[k] for k in range(len(requests))]

@@ -233,6 +233,8 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
             logits = model(mx.array(np.concatenate(tokens))[None], cache=views)
     finally:
         tree_pass.clear()
+        plan.owners.clear()  # the views go now: a view still held keeps its slices of the stack, and
+        # the next pass's writes into the stack would then copy all of it instead of writing in place
     return [logits[0, a + len(lead) - 1 : a + len(lead) + len(tree)]
             for (a, _), (_, lead, tree, _) in zip(spans, passes)]
 

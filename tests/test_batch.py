@@ -130,6 +130,29 @@ def test_a_chunk_goes_the_way_that_cost_less_a_token_and_the_other_is_tried_now_
     assert Riding(fixed=False).ride() is False and Riding(fixed=True).ride() is True
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma4_text"])
+def test_a_shared_pass_leaves_no_view_of_the_stack_behind(family):
+    """Once a shared pass is built, its layer views are gone without waiting for the garbage
+    collector: a view still alive holds slices of the stack, and the next pass's writes into the
+    stack would copy all of it instead of writing in place."""
+    import gc
+
+    from cacheback_mlx.shared_pass import LaneView
+
+    model = zoo.tiny_model(family)
+    stacks = [KVStack(2) for _ in ModelCache(model).layers]
+    caches = [ModelCache(model, stacks, row) for row in range(2)]
+    for c, p in zip(caches, PROMPTS[:2]):
+        prefill(model, c, p[:-1])
+    gc.collect()
+    gc.disable()
+    try:
+        mx.eval(batch_pass(model, [(c, p[-1:], DraftTree([5], [-1]), 2) for c, p in zip(caches, PROMPTS[:2])]))
+        assert not [o for o in gc.get_objects() if isinstance(o, LaneView)]
+    finally:
+        gc.enable()
+
+
 def test_eos_ends_a_lane_and_bad_requests_are_one_line_errors():
     model = zoo.tiny_model("qwen3")
     known = streams(model)
