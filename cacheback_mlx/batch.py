@@ -80,9 +80,10 @@ class Riding:
     """Whether a prefill chunk rides in the running lanes' pass (the weights read once for both)
     or goes in a pass of its own, by what each way has cost a chunk's token here: riding, the
     pass's time beyond the price of the same pass without the chunk (LaneCosts); alone, the
-    chunk's own time. Running means; the way not chosen is tried again once in TRY chunks. On a
-    GPU a pass's rows are nearly free and riding saves a pass; on a CPU a chunk's rows cost most
-    of the pass and riding can lose (the output head runs on the chunk's rows too)."""
+    chunk's own time. Running means; the way not chosen is tried again once in TRY chunks. Where
+    a pass's rows cost little beside what every pass costs (launch-bound passes), riding saves a
+    pass; on a 2-core CPU a 128-row chunk's rows cost most of the pass, and riding costs about
+    what the chunk and the pass cost apart (the output head runs on the chunk's rows too)."""
 
     TRY = 8
     DECAY = 0.9

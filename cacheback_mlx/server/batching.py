@@ -171,7 +171,7 @@ class BatchRunner:
             raise
 
     def _join(self, batch, e: Entry, running: dict) -> None:
-        """Admit one job: its prefill goes a chunk a pass, in the running lanes' passes (batch.py).
+        """Admit one job: its prompt is prefilled a chunk a step beside the running lanes (batch.py).
         An editor's warm-up (no tokens asked) prefills at once, between chunks giving way to
         running lanes and waiting jobs (interrupted, it waits at the head of the queue and goes on
         from the chunks done)."""
