@@ -1,7 +1,7 @@
 """What one shared pass over a batch's lanes costs, by how its rows are spread over the lanes,
 against the sizer's price of a solo pass of as many rows (what batch.LaneCosts scales).
 
-    .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"]
+    .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"] [--ride 128]
 
 A layout lists each lane's rows: "2x8" is 8 lanes of 2 rows, "9+1x7" one lane of 9 beside 7 of 1.
 Every lane holds `--context` cached tokens (random ids); each layout's pass (chains) is timed
@@ -32,18 +32,21 @@ def parse(layout: str) -> list[int]:
 @click.option("--context", default=400)
 @click.option("--layouts", default="1x8;2x8;3x8;9+1x7;16+1x7;5x2+1x6;3x5+1x3")
 @click.option("--repeats", default=7)
-def main(model, context, layouts, repeats):
+@click.option("--ride", default=0, help="also time a prefill chunk of this many tokens riding in each layout's pass, "
+              "against the chunk in a pass of its own plus the layout's pass (batch.Riding's two ways)")
+def main(model, context, layouts, repeats, ride):
     from cacheback_mlx.api import Session
     from cacheback_mlx.positions import TreePass
     from cacheback_mlx.shared_pass import PassPlan, batch_pass
     from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill
 
     import mlx.core as mx
     import numpy as np
 
     shapes = [parse(x) for x in layouts.split(";")]
     session = Session(model, "none")
-    batch = session.batch(max(len(s) for s in shapes))
+    batch = session.batch(max(len(s) for s in shapes) + (1 if ride else 0))  # the last lane takes the chunk
     rng = np.random.default_rng(0)
     vocab = min(session.engine.vocab_size, 20000)
     lanes = [batch.join(rng.integers(100, vocab, context).tolist(), 10**6) for _ in range(batch.n)]
@@ -72,6 +75,32 @@ def main(model, context, layouts, repeats):
         price = sizer.price(sum(rows), context) * 1e3
         width, own = (plan.width, len(getattr(plan, "wide", []))) if plan.rows_of is not None else ("-", "-")
         print(f"| {rows} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | {width} | {own} |", flush=True)
+    if not ride:
+        return
+    rider, chunk = lanes[-1].seq.cache, rng.integers(100, vocab, ride).tolist()
+    print(f"\nA {ride}-token prefill chunk (a lane with {context} cached tokens); median of {repeats}")
+    print("| rows by lane | riding in the pass ms | chunk alone + the pass ms | riding / apart |")
+    print("|---|---:|---:|---:|")
+    for rows in shapes:
+        times = {True: [], False: []}
+        for _ in range(repeats + 2):
+            for riding in (True, False):
+                passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
+                t0 = time.perf_counter()
+                if riding:
+                    mx.eval(batch_pass(batch.model, passes + [(rider, chunk, DraftTree([], []), ride)]), rider.arrays())
+                else:
+                    mx.eval(batch_pass(batch.model, passes))
+                    prefill(batch.model, rider, chunk, ride)
+                times[riding].append(time.perf_counter() - t0)
+                for lane in lanes[: len(rows)]:
+                    lane.seq.cache.finish_pass([0], False)
+                if riding:
+                    rider.finish_pass([], False)
+                else:
+                    rider.trim(rider.length - ride)
+        on, apart = (float(np.median(times[w][2:])) * 1e3 for w in (True, False))
+        print(f"| {rows} | {on:.1f} | {apart:.1f} | {on / apart:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
