@@ -13,11 +13,16 @@ less here (Riding).
 
 A lane's output is its solo output: a shared pass is checked against passes of their own on the
 model before lanes share (shared_pass.check_sharing). Models whose lanes cannot share a pass take
-turns, one pass per lane, with the same output: recurrent layers (the recurrence would run
-across lanes), code that reads positions in ways a tree cannot place, an attention that does not
-take the lanes' masks, or a backend where a shared pass differs beyond rounding. Layers that
-attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the pass through
-that layer's view (shared_pass.LaneView, LaneMask).
+turns, one pass per lane, with the same output: code that reads positions in ways a tree cannot
+place, an attention that does not take the lanes' masks, recurrent mixers that run a padded batch
+into their states (Mamba 1, Jamba), or a backend where a shared pass differs beyond rounding.
+Layers that attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the
+pass through that layer's view (shared_pass.LaneView, LaneMask). Lanes of a model with recurrent
+layers share a pass side by side (chains; shared_pass.py): a lane not accepted whole is undone
+and feeds its accepted tokens again in its next pass, a lane running alone keeps the solo path
+(its states captured by row), prefill chunks go in passes of their own (riding, they would pad
+every lane to the chunk's rows), and no lane takes over another's prefix (a recurrent state
+holds no prefix of itself).
 """
 
 from __future__ import annotations
@@ -109,6 +114,24 @@ class Riding:
         self.means[ride] = (w * self.DECAY + 1.0, total * self.DECAY + max(seconds, 0.0) / max(tokens, 1))
 
 
+def share_side_by_side(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
+    """share's answer for lanes that go side by side (shared_pass.py: every lane padded to the
+    widest): a pass `w` rows wide costs as many rows as lanes x w, and each lane sends its first
+    w - lead drafts; the width taken is the one with the most expected tokens per second."""
+    if costs is None:
+        return [len(s) for _, s in offers]
+    lanes = len(offers)
+    lo, hi = max(lead for lead, _ in offers), max(lead + len(s) for lead, s in offers)
+    best, width = -1.0, lo
+    for w in range(lo, hi + 1):
+        if lanes * w >= len(costs):
+            break
+        expected = lanes + sum(float(np.clip(s[: w - lead], 0.0, 1.0).sum()) for lead, s in offers)
+        if expected / costs[lanes * w] > best:
+            best, width = expected / costs[lanes * w], w
+    return [min(len(s), width - lead) for lead, s in offers]
+
+
 def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
@@ -171,6 +194,7 @@ class Batch:
         self.make_drafter = make_drafter
         self.lanes: dict[int, Lane] = {}
         self.reason = sharing(engine)  # None: lanes share each pass
+        self.side_by_side = self.reason is None and bool(engine.seq.cache.recurrent)  # lanes as batch rows
         self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
         self.rode = 0  # prefill chunks that rode in a shared pass
@@ -224,7 +248,7 @@ class Batch:
         """Where another lane's caches hold a longer prefix of the prompt than lane i's `keep`
         tokens (a request's several completions, clients that share a system prompt), copy it
         over (one copy a layer, in the stack) instead of prefilling it; the length now held."""
-        if self.stacks is None:
+        if self.stacks is None or self.engine.seq.cache.recurrent:
             return keep
         best, j = keep, None
         for k, other in enumerate(self.seqs):
@@ -292,7 +316,7 @@ class Batch:
         decoding = [lane for lane in lanes if not lane.prefilling]
         feeding, chunk = self._next_chunk(lanes)
         if feeding is not None:
-            alone = not decoding or self.reason is not None  # nothing to share a pass with, or turns
+            alone = not decoding or self.reason is not None or self.side_by_side  # nothing to ride with
             if alone or not self.riding.ride():
                 t0 = time.perf_counter()
                 prefill(self.model, feeding.seq.cache, chunk, len(chunk), timed=eng.planner.prefilled)
@@ -350,6 +374,8 @@ class Batch:
                  for lane, (t, s, _) in zip(lanes, offers)]
         if self.costs is None:
             counts = share(asked, None)
+        elif self.side_by_side:  # one pass for all, each lane as wide as the widest
+            counts = share_side_by_side(asked, self.costs.costs(len(lanes), context))
         elif self.reason is None:  # one pass for all
             counts = share(asked, self.costs.costs(len(lanes), context))  # as without the chunk: its rows
             # would make any draft look cheap, and every draft sent delays the prompt
@@ -366,7 +392,8 @@ class Batch:
         passes = [(lane.seq.cache, lane.seq.lead, tree, padded_size(n, eng.buckets))
                   for lane, tree, n in zip(lanes, trees, rows)]
         riding = [(feeding.seq.cache, chunk, DraftTree([], []), len(chunk))] if chunk else []
-        logits = (batch_pass(self.model, passes + riding) if self.reason is None else
+        shared = self.reason is None and not (self.side_by_side and len(passes) == 1)
+        logits = (batch_pass(self.model, passes + riding) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
@@ -377,7 +404,8 @@ class Batch:
                 price = self.costs.costs(len(lanes), context)
                 self.riding.timed(True, len(chunk), seconds - price[min(sum(p[3] for p in passes), len(price) - 1)])
             else:
-                self.costs.timed(len(lanes), context, sum(p[3] for p in passes), seconds)
+                run = len(passes) * max(p[3] for p in passes) if self.side_by_side else sum(p[3] for p in passes)
+                self.costs.timed(len(lanes), context, run, seconds)
         self.passes += 1
         if chunk:
             self.rode += 1

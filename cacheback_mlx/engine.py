@@ -189,8 +189,9 @@ class Engine:
         unplaced = prepare_positions(model)
         if kernels.on_cuda() and kernels.enabled:
             kernels.attach(model)  # verify passes' linear layers: the one-row step's bits (kernels/)
+        self.position_code = unplaced[0] if unplaced else None  # a line no tree position fix covers
         self.chain_reason = ("recurrent layers" if self.seq.cache.recurrent else
-                             f"position-dependent code: {unplaced[0]}" if unplaced else None)
+                             f"position-dependent code: {self.position_code}" if unplaced else None)
         buckets = (GPU_BUCKETS if on_gpu() else None) if buckets is None else buckets
         self.buckets = None if self.seq.cache.recurrent else buckets  # padding would run the recurrence
         self.set_sizer(sizer, draft_budget)

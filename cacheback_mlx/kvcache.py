@@ -242,10 +242,10 @@ def wrap(cache, tree_pass: TreePass, family: str, capture: Capture | None = None
     raise CachebackError(f"{family}: layer cache {what} is not supported for exact speculative decoding")
 
 
-def _leaves(caches):
+def cache_leaves(caches):
     for c in caches:
         if isinstance(c, CacheList):
-            yield from _leaves(c.caches)
+            yield from cache_leaves(c.caches)
         elif c is not None:
             yield c
 
@@ -264,7 +264,7 @@ class ModelCache:
         self.capture = plan(model, count(raw))  # None: recurrent layers are undone by snapshot only
         stacks = stacks or [None] * len(raw)
         self.layers = [wrap(c, self.tree_pass, self.family, self.capture, k, row) for c, k in zip(raw, stacks)]
-        leaves = list(_leaves(self.layers))
+        leaves = list(cache_leaves(self.layers))
         self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
         self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
         self.shared_layers = max(len(getattr(model, "layers", raw)) - len(raw), 0)
@@ -274,7 +274,7 @@ class ModelCache:
     def describe(self) -> dict[str, int]:
         """How many layer caches of each kind (for `doctor --model`)."""
         out: dict[str, int] = {}
-        for c in _leaves(self.layers):
+        for c in cache_leaves(self.layers):
             name = f"{type(c).__name__}(window={c.window})" if isinstance(c, WindowKVCache) else type(c).__name__
             out[name] = out.get(name, 0) + 1
         if self.shared_layers:  # K/V shared with an earlier layer, or no attention at all

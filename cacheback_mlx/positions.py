@@ -50,7 +50,9 @@ class TreeRoPE(nn.Module):
     """Wraps a model's RoPE so each tree row gets its own position (cache offset + depth).
 
     mx.fast.rope takes one offset per batch row, so the T rows of a pass are laid out as T batch
-    rows of one token each: [1, H, T, D] -> [T, H, 1, D] -> rope with offsets -> back."""
+    rows of one token each: [1, H, T, D] -> [T, H, 1, D] -> rope with offsets -> back. A pass of B
+    sequences side by side ([B, H, T, D], a batch's lanes: shared_pass.py) has B * T positions,
+    sequence by sequence."""
 
     def __init__(self, inner: nn.Module, tree_pass: TreePass):
         super().__init__()
@@ -61,8 +63,12 @@ class TreeRoPE(nn.Module):
         rel = self.tree_pass.rel
         if rel is None:
             return self.inner(x, offset=offset)
-        rows = x.transpose(2, 1, 0, 3)
-        return self.inner(rows, offset=offset + rel).transpose(2, 1, 0, 3)
+        B, H, T, D = x.shape
+        if B == 1:
+            rows = x.transpose(2, 1, 0, 3)
+            return self.inner(rows, offset=offset + rel).transpose(2, 1, 0, 3)
+        rows = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
+        return self.inner(rows, offset=offset + rel).reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
 def model_family(model: nn.Module) -> str:
@@ -120,6 +126,9 @@ HANDLERS = {
 SKIP_FUNCTIONS = {"__init__", "sanitize", "make_cache", "quant_predicate", "cast_predicate", "shard",
                   "layers", "__post_init__", "from_dict"}
 SKIP_MODULES = {"base", "cache", "activations", "switch_layers", "rope_utils"}
+# statements that compute with a name of a position but not with a token's position: mlx-lm's
+# recurrent mixers gather their conv window by the rows of the pass (`cache.lengths`, recurrent.py)
+NOT_POSITIONS = ("(ends[:, None] + mx.arange(n_keep))", "cache[0] = mx.take_along_axis(")
 NEUTRAL_CALLS = {"array", "rope"}  # mx.array(cache.offset) reads it; self.rope(x, offset=...) is TreeRoPE's
 
 
@@ -206,7 +215,7 @@ def source_position_uses(source: str, handled: tuple[str, ...] = ()) -> tuple[st
         finder = _Finder()
         finder.visit(node)
         text = " ".join(ast.get_source_segment(source, node).split())
-        if finder.found and not any(h in text for h in handled):
+        if finder.found and not any(h in text for h in handled + NOT_POSITIONS):
             out.append(text)
     return tuple(out)
 

@@ -175,6 +175,29 @@ class RecurrentCache(ArraysCache):
             self.cache[1] = self.row_state(m)
 
 
+class LaneStates(ArraysCache):
+    """One recurrent layer's states of several sequences in one pass (a batch's lanes, side by side
+    as batch rows, right-padded: shared_pass.py), as mlx-lm's batched ArraysCache: `lengths` holds
+    each lane's real rows, so the mixers (their `lengths` and mask protocol for sequences of unequal
+    lengths) leave each lane the state after its own last row, not after the padding. `give_back`
+    hands each lane its row. Nothing is captured: a lane not accepted whole is undone by its
+    snapshot (ModelCache.finish_pass)."""
+
+    def __init__(self, caches: list[RecurrentCache], rows: list[int]):
+        super().__init__(len(caches[0].cache))
+        self.lanes = caches
+        for k in range(len(self.cache)):
+            parts = [c.cache[k] for c in caches]
+            like = next((p for p in parts if p is not None), None)
+            if like is not None:  # a lane with no state yet starts from zeros, as mlx-lm's mixers do
+                self.cache[k] = mx.concatenate([mx.zeros_like(like) if p is None else p for p in parts])
+        self.lengths = mx.array(rows, dtype=mx.int32)
+
+    def give_back(self) -> None:
+        for i, c in enumerate(self.lanes):
+            c.cache = [None if a is None else a[i : i + 1] for a in self.cache]
+
+
 def _rows(args: dict, names, start: int, stop: int) -> dict:
     return dict(args, **{k: args[k][:, start:stop] for k in names})
 

@@ -5,19 +5,27 @@ The lanes' rows are laid end to end, so the model's matmuls read the weights onc
 RoPE gives every row its own absolute position (TreePass.rel, offset 0). Each layer gets a
 LaneView for a cache: it writes each lane's new keys and values into that lane's caches and, when
 attention asks (attention.py calls `attend`), attends lane by lane, or all lanes at once where
-their caches are rows of one KVStack, each lane masked to its own positions. check_sharing runs a
-shared pass against passes of their own on the model before lanes may share.
+their caches are rows of one KVStack, each lane masked to its own positions.
+
+A model with recurrent layers runs its lanes side by side instead, as the batch rows of one pass
+([lanes, rows], each lane's chain right-padded to the longest): a recurrence cannot run over rows
+laid end to end, and mlx-lm's mixers run a batch of sequences of unequal lengths as they do in
+its own batched generation. Their layers get a recurrent.LaneStates, the others a LaneView that
+lays the rows end to end for attention. check_sharing runs a shared pass against passes of their
+own on the model before lanes may share.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
 from . import activations, attention, kernels
 from .engine import Engine
-from .kvcache import KVStack, LaneKVCache, ModelCache, TreeKVCache
+from .kvcache import KVStack, LaneKVCache, ModelCache, TreeKVCache, cache_leaves
 from .positions import TreePass
+from .recurrent import LaneStates, RecurrentCache
 from .tree import DraftTree
 from .verify import prefill, tree_layout, verify_pass
 
@@ -59,8 +67,9 @@ class PassPlan:
         self.spans, self.layouts = spans, layouts
         self.before = [c.length for c in caches]  # each lane's positions before this pass
         self.owners: dict[int, LaneView] = {}  # id of the keys a view handed out -> the view (live in the pass)
-        first = [c.layers[0] for c in caches]
-        self.rows_of = [c.row for c in first] if all(isinstance(c, LaneKVCache) for c in first) else None
+        first = [c.kv[0] if c.kv else None for c in caches]
+        stacked = all(isinstance(c, LaneKVCache) for c in caches[0].kv) and all(first)
+        self.rows_of = [c.row for c in first] if stacked else None
         self.masks: dict = {}
         if self.rows_of is None or len(set(self.rows_of)) != len(caches) or len(caches) < 2:
             self.rows_of = None
@@ -130,6 +139,8 @@ class LaneView:
         plan = self.plan
         self.new = keys, values
         plan.owners[id(keys)] = self
+        given = keys, values
+        keys, values = _end_to_end(keys), _end_to_end(values)
         if plan.rows_of is not None:  # every lane's rows into the stack at once
             stack = self.caches[0].stack
             stack.reserve(max(p + b - a for p, (a, b) in zip(plan.before, plan.spans)), keys, values)
@@ -139,14 +150,18 @@ class LaneView:
                 stack.values[r : r + 1, :, p : p + b - a, :] = values[:, :, a:b]
                 c.offset += b - a
             self.fetched = []
-            return keys, values
+            return given
         self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
                         for c, (a, b) in zip(self.caches, plan.spans)]
-        return keys, values
+        return given
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
         if not isinstance(mask, LaneMask) or self.fetched is None:
             raise NotShared("the model's attention does not take the lanes' masks")
+        B, H, T, D = queries.shape
+        if B > 1:  # lanes side by side: attend with their rows end to end, then back
+            out = self.attend(_end_to_end(queries), scale, mask, sinks)
+            return out.reshape(H, B, T, D).transpose(1, 0, 2, 3)
         plan = self.plan
         if plan.rows_of is not None:
             return self._stacked(queries, scale, mask.window_size, sinks)
@@ -179,6 +194,12 @@ class LaneView:
         return flat[:, plan.back][None]
 
 
+def _end_to_end(x: mx.array) -> mx.array:
+    """[B, H, T, D] (lanes side by side) -> [1, H, B * T, D] (their rows end to end)."""
+    B, H, T, D = x.shape
+    return x if B == 1 else x.transpose(1, 0, 2, 3).reshape(1, H, B * T, D)
+
+
 def _pad(x: mx.array, axis: int, size: int, value=False) -> mx.array:
     """x padded at the end of `axis` to `size` (zeros; a bool mask: `value`)."""
     extra = size - x.shape[axis]
@@ -204,10 +225,16 @@ def dense_mask(mask, rows: int, keys: int) -> mx.array:
 def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]) -> list[mx.array]:
     """ONE pass over every lane's lead + tree (padded to its rows); per lane, the logits of its
     root and nodes (verify_pass's). Each lane's caches then hold its rows past their old length,
-    as after verify_pass; ModelCache.finish_pass keeps the accepted ones."""
+    as after verify_pass; ModelCache.finish_pass keeps the accepted ones. Lanes with recurrent
+    layers go side by side (chains, each padded to the longest lane's rows; their states end after
+    their own rows, `rows` not counting the padding)."""
+    caches = [p[0] for p in passes]
+    side_by_side = bool(caches[0].recurrent)
+    width = max(p[3] for p in passes)
     tokens, positions, spans, layouts, start = [], [], [], [], 0
     for cache, lead, tree, rows in passes:
         n = len(lead) + len(tree)
+        rows = width if side_by_side else rows
         row_tokens = np.zeros(rows, np.int32)
         row_tokens[: len(lead)], row_tokens[len(lead) : n] = lead, tree.tokens
         layout = TreePass()
@@ -221,31 +248,53 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
         spans.append((start, start + rows))
         layouts.append(layout)
         start += rows
-    caches = [p[0] for p in passes]
     for c in caches:
         c.begin_pass()
     plan = PassPlan(caches, spans, layouts)
-    views = [LaneView([c.layers[j] for c in caches], plan) for j in range(len(caches[0].layers))]
+    states: list[LaneStates] = []
+    views = [_view([c.layers[j] for c in caches], plan, [p[3] for p in passes], states)
+             for j in range(len(caches[0].layers))]
     tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
     tree_pass.set(mx.array(np.concatenate(positions)), None)
+    inputs = mx.array(np.stack(tokens)) if side_by_side else mx.array(np.concatenate(tokens))[None]
     try:
         with activations.engine_pass(), kernels.rows_pass():
-            logits = model(mx.array(np.concatenate(tokens))[None], cache=views)
+            logits = model(inputs, cache=views)
+        for view in states:
+            view.give_back()
     finally:
         tree_pass.clear()
         plan.owners.clear()  # the views go now: a view still held keeps its slices of the stack, and
         # the next pass's writes into the stack would then copy all of it instead of writing in place
+    if side_by_side:
+        return [logits[i, len(lead) - 1 : len(lead) + len(tree)] for i, (_, lead, tree, _) in enumerate(passes)]
     return [logits[0, a + len(lead) - 1 : a + len(lead) + len(tree)]
             for (a, _), (_, lead, tree, _) in zip(spans, passes)]
+
+
+def _view(layers: list, plan: PassPlan, rows: list[int], states: list[LaneStates]):
+    """What the model gets for one layer's caches of every lane in a shared pass."""
+    if isinstance(layers[0], CacheList):
+        return CacheList(*(_view([c.caches[k] for c in layers], plan, rows, states)
+                           for k in range(len(layers[0].caches))))
+    if isinstance(layers[0], RecurrentCache):
+        states.append(LaneStates(layers, rows))
+        return states[-1]
+    return LaneView(layers, plan)
 
 
 def sharing_reason(engine: Engine) -> str | None:
     """Why lanes of this engine's model cannot share a pass (None: they can), from its structure;
     check_sharing then tries one."""
     cache = engine.seq.cache
-    if engine.chain_reason:
+    if cache.recurrent:  # lanes side by side, as chains
+        if engine.position_code:
+            return f"position-dependent code: {engine.position_code}"
+        if not all(isinstance(c, (TreeKVCache, RecurrentCache)) for c in cache_leaves(cache.layers)):
+            return "layer caches that are neither key/value caches nor recurrent states"
+    elif engine.chain_reason:
         return engine.chain_reason
-    if not all(isinstance(c, TreeKVCache) for c in cache.layers):
+    elif not all(isinstance(c, TreeKVCache) for c in cache.layers):
         return "layer caches that are not plain key/value caches"
     if engine.peers is not None:
         return "a model sharded over processes"
@@ -265,20 +314,23 @@ def sharing(engine: Engine) -> str | None:
 
 
 def check_sharing(engine: Engine) -> str | None:
-    """Run two small lanes (a chain and a tree, 7 and 12 rows) in one shared pass and each in a
-    pass of its own, on fresh caches: None when they agree, else why not. They agree to rounding,
-    not bits: a matmul's rows round differently with the number of rows (BLAS blocks them), as a
-    verify pass's rows already do against one-row steps; a wrong position or mask is far off."""
+    """Run two small lanes (a chain and a tree, 7 and 12 rows; two chains, 7 and 11, on a model
+    with recurrent layers) in one shared pass and each in a pass of its own, on fresh caches: None
+    when their logits and the recurrent states they leave agree, else why not. They agree to
+    rounding, not bits: a matmul's rows round differently with the number of rows (BLAS blocks
+    them), as a verify pass's rows already do against one-row steps; a wrong position, mask or
+    state (a mixer that runs the padding into it) is far off."""
     reason = sharing_reason(engine)
     if reason:
         return reason
     model, vocab = engine.model, engine.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(20)], [(5 * i + 1) % vocab for i in range(9)]]
+    second = [-1, 0, 1, 2, 3, 4, 5, 6] if engine.seq.cache.recurrent else [-1, -1, 0, 0, 1, 3, 3, 5]
     trees = [DraftTree([(i + 2) % vocab for i in range(4)], [-1, 0, 1, 2]),
-             DraftTree([(3 * i + 1) % vocab for i in range(8)], [-1, -1, 0, 0, 1, 3, 3, 5])]
+             DraftTree([(3 * i + 1) % vocab for i in range(8)], second)]
     leads = [p[-3:] for p in prompts]
     try:
-        solo, shared = [], []
+        solo, shared, states = [], [], {}
         for runs in (solo, shared):
             stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if runs is shared else None
             caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
@@ -289,11 +341,17 @@ def check_sharing(engine: Engine) -> str | None:
                 runs.extend(verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes)
             else:
                 runs.extend(batch_pass(model, passes))
-            mx.eval(runs)
+            states[id(runs)] = [a for c in caches for r in c.recurrent for a in r.cache if a is not None]
+            mx.eval(runs, states[id(runs)])
     except (NotShared, TypeError, AttributeError, ValueError) as e:
         return f"its attention cannot be shared ({type(e).__name__}: {e})"
-    for a, b in zip(solo, shared):
-        scale = max(1.0, mx.abs(a).max().item())
-        if mx.abs(a - b).max().item() > TOLERANCE * scale or not mx.array_equal(a.argmax(-1), b.argmax(-1)).item():
-            return "a shared pass differs from passes of its own beyond rounding"
+    if not all(_close(a, b) and mx.array_equal(a.argmax(-1), b.argmax(-1)).item() for a, b in zip(solo, shared)):
+        return "a shared pass differs from passes of its own beyond rounding"
+    if not all(_close(a, b) for a, b in zip(states[id(solo)], states[id(shared)])):
+        return "a shared pass leaves recurrent states other than passes of their own"
     return None
+
+
+def _close(a: mx.array, b: mx.array) -> bool:
+    scale = max(1.0, mx.abs(a).max().item())
+    return a.shape == b.shape and mx.abs(a - b).max().item() <= TOLERANCE * scale

@@ -1,7 +1,7 @@
 """Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
-from cacheback_mlx.batch import Batch, LaneCosts, Riding, share
+from cacheback_mlx.batch import Batch, LaneCosts, Riding, share, share_side_by_side
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
@@ -27,7 +27,7 @@ PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for 
            [(7 * i + 3) % 97 + 1 for i in range(20)]]  # the last shares a prefix with the first
 LENGTHS = [24, 9, 17, 20, 12]
 # lanes that take turns instead of sharing a pass (batch.sharing_reason / check_sharing)
-TURNS = {"falcon_h1", "jamba", "lfm2", "mamba", "mamba2", "nemotron_h", "qwen3_5", "qwen3_next",  # recurrent
+TURNS = {"jamba", "mamba", "nemotron_h",  # recurrent mixers that run a padded batch into their states
          "gemma2"}  # attention that builds its own mask
 CURVE = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.4, 64: 4.0, 128: 7.5, 256: 15.0}
 
@@ -87,9 +87,9 @@ def test_a_cancelled_lane_never_disturbs_the_others():
                                          ("qwen3_next", True)])
 def test_a_joining_prompt_goes_a_chunk_a_pass_while_the_running_lanes_keep_producing(family, ride):
     """A 61-token prompt joins beside a running lane, in 8-token chunks: each chunk rides in the
-    running lane's pass (one pass for both where lanes share one; recurrent lanes take turns) or
-    goes in one of its own, the running lane produces a token at every step meanwhile, and both
-    outputs equal their solo runs."""
+    running lane's pass (one pass for both where lanes share one end to end; recurrent lanes go
+    side by side and their chunks never ride) or goes in one of its own, the running lane
+    produces a token at every step meanwhile, and both outputs equal their solo runs."""
     model = zoo.tiny_model(family)
     long = [(13 * i + 5) % 97 + 1 for i in range(62)]
     known = streams(model)[:1] + [(long, reference(model, long, 6))]
@@ -110,7 +110,7 @@ def test_a_joining_prompt_goes_a_chunk_a_pass_while_the_running_lanes_keep_produ
     assert steps == -(-61 // 8) and late.stats.prefill_tokens == 61
     if batch.reason is None:
         assert batch.passes - passes == steps  # one shared pass a step, every chunk in it or beside it
-    assert batch.rode - rode == (steps if ride and batch.reason is None else 0)
+    assert batch.rode - rode == (steps if ride and batch.reason is None and not batch.side_by_side else 0)
     while batch.lanes:
         batch.step()
     assert first.tokens == known[0][1] and late.tokens == known[1][1]
@@ -218,6 +218,18 @@ def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
     assert share([(1, np.full(7, 0.05))], tiled) == [7]
 
 
+def test_lanes_side_by_side_take_the_width_with_the_most_tokens_a_second():
+    """Every lane of a side-by-side pass is as wide as the widest: a width w costs lanes x w rows."""
+    sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])
+    flat = np.ones(64)  # rows cost nothing beside the pass: every lane sends all it offered
+    assert share_side_by_side([(1, sure), (1, unsure)], flat) == [4, 2]
+    steep = 1.0 + 0.3 * np.arange(64)  # dearer rows: the width with the most tokens a second (4 here),
+    assert share_side_by_side([(1, sure), (1, unsure)], steep) == [3, 2]  # the unsure lane's drafts ride in it
+    # a lane with a long lead sets the narrowest width, and the others fill it at no cost
+    assert share_side_by_side([(5, np.zeros(0)), (1, np.full(6, 0.3))], 1.0 + 2.0 * np.arange(64)) == [0, 4]
+    assert share_side_by_side([(1, sure), (1, unsure)], None) == [4, 2]  # a fixed budget: all offered
+
+
 def test_the_cost_of_a_shared_pass_is_the_solo_price_of_its_rows_times_what_the_lanes_add():
     sizer = Sizer(CostTable({256: CURVE}))
     costs = LaneCosts(sizer)
@@ -231,7 +243,7 @@ def test_the_cost_of_a_shared_pass_is_the_solo_price_of_its_rows_times_what_the_
 
 def test_the_sharing_check_names_why_lanes_take_turns():
     eng = Engine(zoo.tiny_model("mamba"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
-    assert check_sharing(eng) == "recurrent layers"
+    assert check_sharing(eng) == "a shared pass leaves recurrent states other than passes of their own"
 
 
 def test_sampled_lanes_keep_the_models_distribution():
@@ -258,10 +270,13 @@ def test_sampled_lanes_keep_the_models_distribution():
     assert np.abs(freq - p).sum() / 2 < 0.08, (freq, p)
 
 
-def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it():
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it(family):
     """Three completions of one prompt (llama.vscode's n_cmpl): the first lane prefills it, the
-    others copy its caches; every output is the solo one."""
-    model = zoo.tiny_model("gemma3_text")  # sliding-window layers too
+    others copy its caches (gemma3_text: sliding-window layers too); every output is the solo one.
+    A recurrent state holds no prefix of itself: on a hybrid each lane prefills its own."""
+    model = zoo.tiny_model(family)
+    copies = family != "qwen3_next"
     prompt = PROMPTS[2]
     truth = reference(model, prompt, 10)
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=6)
@@ -269,10 +284,11 @@ def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it():
     lanes = [batch.join(prompt, 10) for _ in range(3)]  # all at once: the first prefills, the others wait
     while batch.lanes:
         batch.step()
-    assert [lane.stats.prefill_tokens for lane in lanes] == [len(prompt) - 1, 0, 0]
+    assert [lane.stats.prefill_tokens for lane in lanes] == [len(prompt) - 1] + [0 if copies else len(prompt) - 1] * 2
     assert all(lane.tokens == truth for lane in lanes)
     other = batch.run([dict(prompt=prompt[:20] + [5, 6, 7], max_tokens=6)])[0]  # a shorter shared prefix
-    assert other.tokens == reference(model, prompt[:20] + [5, 6, 7], 6) and other.stats.prefill_tokens == 2
+    assert other.tokens == reference(model, prompt[:20] + [5, 6, 7], 6)
+    assert other.stats.prefill_tokens == (2 if copies else 22)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

@@ -2,11 +2,14 @@
 against the sizer's price of a solo pass of as many rows (what batch.LaneCosts scales).
 
     .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"] [--ride 128]
+        [--turns]
 
 A layout lists each lane's rows: "2x8" is 8 lanes of 2 rows, "9+1x7" one lane of 9 beside 7 of 1.
 Every lane holds `--context` cached tokens (random ids); each layout's pass (chains) is timed
 --repeats times after two warm-ups and the median printed, with how attention ran it
-(shared_pass.PassPlan: the stacked width and the lanes in calls of their own).
+(shared_pass.PassPlan: the stacked width and the lanes in calls of their own). A model with
+recurrent layers runs its lanes side by side (chains padded to the longest). --turns also times
+each layout as the lanes' passes of their own, one after another (lanes that take turns).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ def parse(layout: str) -> list[int]:
 @click.option("--repeats", default=7)
 @click.option("--ride", default=0, help="also time a prefill chunk of this many tokens riding in each layout's pass, "
               "against the chunk in a pass of its own plus the layout's pass (batch.Riding's two ways)")
-def main(model, context, layouts, repeats, ride):
+@click.option("--turns", is_flag=True, help="also time the lanes' passes of their own, one after another")
+def main(model, context, layouts, repeats, ride, turns):
     from cacheback_mlx.api import Session
     from cacheback_mlx.positions import TreePass
     from cacheback_mlx.shared_pass import PassPlan, batch_pass
     from cacheback_mlx.tree import DraftTree
-    from cacheback_mlx.verify import prefill
+    from cacheback_mlx.verify import prefill, verify_pass
 
     import mlx.core as mx
     import numpy as np
@@ -58,10 +62,11 @@ def main(model, context, layouts, repeats, ride):
         return DraftTree(list(range(5, 4 + rows)), list(range(-1, rows - 2)))
 
     print(f"{batch.n} lanes, {context} cached tokens each; median of {repeats}")
-    print("| rows by lane | rows | shared pass ms | solo price ms | ratio | stacked width | own calls |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| rows by lane | rows | shared pass ms | solo price ms | ratio | stacked width | own calls |"
+          + (" turns ms | turns / shared |" if turns else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if turns else ""))
     for rows in shapes:
-        times = []
+        times, apart = [], []
         for _ in range(repeats + 2):
             passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
             t0 = time.perf_counter()
@@ -69,12 +74,24 @@ def main(model, context, layouts, repeats, ride):
             times.append(time.perf_counter() - t0)
             for lane in lanes[: len(rows)]:
                 lane.seq.cache.finish_pass([0], False)
+            if turns:
+                t0 = time.perf_counter()
+                for c, lead, tree, r in passes:
+                    mx.eval(verify_pass(batch.model, c, lead, tree, rows=r))
+                    c.finish_pass([0], False)
+                apart.append(time.perf_counter() - t0)
         spans = list(zip(np.cumsum([0] + rows[:-1]).tolist(), np.cumsum(rows).tolist()))
         plan = PassPlan([lane.seq.cache for lane in lanes[: len(rows)]], spans, [TreePass() for _ in rows])
         ms = float(np.median(times[2:])) * 1e3
         price = sizer.price(sum(rows), context) * 1e3
         width, own = (plan.width, len(getattr(plan, "wide", []))) if plan.rows_of is not None else ("-", "-")
-        print(f"| {rows} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | {width} | {own} |", flush=True)
+        if batch.side_by_side:  # lanes as batch rows, each as wide as the widest
+            width, own = f"side by side, {max(rows)}", 0
+        line = f"| {rows} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | {width} | {own} |"
+        if turns:
+            own_ms = float(np.median(apart[2:])) * 1e3
+            line += f" {own_ms:.1f} | {own_ms / ms:.2f} |"
+        print(line, flush=True)
     if not ride:
         return
     rider, chunk = lanes[-1].seq.cache, rng.integers(100, vocab, ride).tolist()
