@@ -330,24 +330,24 @@ def check_sharing(engine: Engine) -> str | None:
              DraftTree([(3 * i + 1) % vocab for i in range(8)], second)]
     leads = [p[-3:] for p in prompts]
     try:
-        solo, shared, states = [], [], {}
-        for runs in (solo, shared):
-            stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if runs is shared else None
+        runs = []
+        for shared in (False, True):
+            stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if shared else None
             caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
             for c, p in zip(caches, prompts):
                 prefill(model, c, p[:-3])
             passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
-            if runs is solo:
-                runs.extend(verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes)
-            else:
-                runs.extend(batch_pass(model, passes))
-            states[id(runs)] = [a for c in caches for r in c.recurrent for a in r.cache if a is not None]
-            mx.eval(runs, states[id(runs)])
+            logits = (batch_pass(model, passes) if shared else
+                      [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes])
+            states = [a for c in caches for r in c.recurrent for a in r.cache if a is not None]
+            mx.eval(logits, states)
+            runs.append((logits, states))
     except (NotShared, TypeError, AttributeError, ValueError) as e:
         return f"its attention cannot be shared ({type(e).__name__}: {e})"
+    (solo, solo_states), (shared, shared_states) = runs
     if not all(_close(a, b) and mx.array_equal(a.argmax(-1), b.argmax(-1)).item() for a, b in zip(solo, shared)):
         return "a shared pass differs from passes of its own beyond rounding"
-    if not all(_close(a, b) for a, b in zip(states[id(solo)], states[id(shared)])):
+    if not all(_close(a, b) for a, b in zip(solo_states, shared_states)):
         return "a shared pass leaves recurrent states other than passes of their own"
     return None
 
