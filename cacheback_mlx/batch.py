@@ -14,15 +14,16 @@ less here (Riding).
 A lane's output is its solo output: a shared pass is checked against passes of their own on the
 model before lanes share (shared_pass.check_sharing). Models whose lanes cannot share a pass take
 turns, one pass per lane, with the same output: code that reads positions in ways a tree cannot
-place, an attention that does not take the lanes' masks, recurrent mixers that run a padded batch
-into their states (Mamba 1, Jamba), or a backend where a shared pass differs beyond rounding.
+place, an attention that does not take the lanes' masks, or a backend where a shared pass differs
+beyond rounding.
 Layers that attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the
 pass through that layer's view (shared_pass.LaneView, LaneMask). Lanes of a model with recurrent
 layers share a pass side by side (chains; shared_pass.py): a lane not accepted whole is undone
 and feeds its accepted tokens again in its next pass, a lane running alone keeps the solo path
 (its states captured by row), prefill chunks go in passes of their own (riding, they would pad
 every lane to the chunk's rows), and no lane takes over another's prefix (a recurrent state
-holds no prefix of itself).
+holds no prefix of itself). Where the mixers run a lane's padding into its states (Mamba 1,
+Jamba), a lane narrower than the pass is undone after it, as one not accepted whole.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class Batch:
         self.drafters: list[Drafter | None] = [None] * n
         self.make_drafter = make_drafter
         self.lanes: dict[int, Lane] = {}
-        self.reason = sharing(engine)  # None: lanes share each pass
+        self.reason, self.undo_padded = sharing(engine)  # reason None: lanes share each pass
         self.side_by_side = self.reason is None and bool(engine.seq.cache.recurrent)  # lanes as batch rows
         self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
@@ -412,8 +413,10 @@ class Batch:
             feeding.seq.cache.finish_pass(list(range(len(chunk))), True)
             self._fed(feeding, chunk, seconds)
         # accept, roll back and update each lane
-        out = []
+        out, width = [], max(p[3] for p in passes)
         for lane, (_, lead, tree, rows), p in zip(lanes, passes, picks):
+            if shared and self.undo_padded:  # the padding ran into a narrower lane's states
+                rows = width
             produced = self._settle(lane, lead, tree, rows, p.tolist())
             lane.stats.draft_s += draft_s / len(lanes)
             lane.stats.verify_s += seconds

@@ -47,6 +47,7 @@ GROUP_SIZE = 64
 MAX_CONTEXT = 32768  # context_length: the config's max_position_embeddings, at most this
 MASKED_LOGIT = -1e4  # added to the logits of ids the tokenizer lacks (finite in float16 too)
 OPTIONS = "q4, q8, f32, f16, bf16, layers=N, seed=S, vocab=N"
+PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern's codes
 GAIN = 1.5  # std of a weight matrix: GAIN / sqrt(fan_in)
 HEAD_GAIN = 4.0  # an untied output head: logits of std ~4, a peaked next-token distribution
 
@@ -85,6 +86,8 @@ def layer_kinds(text: dict) -> list[str]:
     n = int(text["num_hidden_layers"])
     if text.get("layer_types"):
         return list(text["layer_types"][:n])
+    if text.get("hybrid_override_pattern"):  # Nemotron-H: a character a layer
+        return [PATTERN_KINDS[c] for c in text["hybrid_override_pattern"][:n]]
     if "full_attention_interval" in text:
         k = int(text["full_attention_interval"])
         return ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
@@ -144,10 +147,13 @@ def model_config(spec: Spec) -> dict:
     if n is not None:
         kinds = layer_kinds(text)
         text["num_hidden_layers"] = n
+        kept = kinds[:n]
+        missing = [k for k in dict.fromkeys(kinds) if k not in kept]
         if text.get("layer_types"):
-            kept = kinds[:n]
-            missing = [k for k in dict.fromkeys(kinds) if k not in kept]
             text["layer_types"] = kept[:n - len(missing)] + missing
+        if text.get("hybrid_override_pattern"):
+            codes = {kind: c for c, kind in PATTERN_KINDS.items()}
+            text["hybrid_override_pattern"] = "".join(codes[k] for k in kept[:n - len(missing)] + missing)
         for key in ("full_attention_interval", "sliding_window_pattern"):
             if key in text:  # the last kept layer is the full-attention one
                 text[key] = min(int(text[key]), n)

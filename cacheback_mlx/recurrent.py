@@ -179,19 +179,44 @@ class LaneStates(ArraysCache):
     """One recurrent layer's states of several sequences in one pass (a batch's lanes, side by side
     as batch rows, right-padded: shared_pass.py), as mlx-lm's batched ArraysCache: `lengths` holds
     each lane's real rows, so the mixers (their `lengths` and mask protocol for sequences of unequal
-    lengths) leave each lane the state after its own last row, not after the padding. `give_back`
-    hands each lane its row. Nothing is captured: a lane not accepted whole is undone by its
-    snapshot (ModelCache.finish_pass)."""
+    lengths) leave each lane the state after its own last row, not after the padding. A mixer in
+    MIXERS that calls its recurrence without the `lengths` it takes (Nemotron-H's ssm_update) runs
+    its state on into the padding: there `own_rows` runs it again over each padded lane's rows.
+    `give_back` hands each lane its row. Nothing is captured: a lane not accepted whole is undone
+    by its snapshot (ModelCache.finish_pass)."""
 
     def __init__(self, caches: list[RecurrentCache], rows: list[int]):
         super().__init__(len(caches[0].cache))
-        self.lanes = caches
+        self.lanes, self.rows = caches, rows
+        self.routed = caches[0].capture is not None  # the mixers' recurrence goes through `capturing`
         for k in range(len(self.cache)):
             parts = [c.cache[k] for c in caches]
             like = next((p for p in parts if p is not None), None)
             if like is not None:  # a lane with no state yet starts from zeros, as mlx-lm's mixers do
                 self.cache[k] = mx.concatenate([mx.zeros_like(like) if p is None else p for p in parts])
         self.lengths = mx.array(rows, dtype=mx.int32)
+
+    def __getitem__(self, idx):
+        if idx == 1 and self.routed and min(self.rows) < max(self.rows):
+            _pending.cache = self  # the mixer hands this state to its recurrence function next
+        return self.cache[idx]
+
+    def own_rows(self, stock, args: dict, names) -> tuple:
+        """mlx-lm's recurrence `stock` over the lanes side by side, called without the `lengths`
+        it takes: each padded lane's state is its state after its own rows, run again on them."""
+        y, state = stock(**args)
+        width, parts = args[names[0]].shape[1], []
+        for i, rows in enumerate(self.rows):
+            if rows == width:
+                parts.append(state[i : i + 1])
+                continue
+            own = dict(args, **{k: args[k][i : i + 1, :rows] for k in names})
+            if args.get("state") is not None:
+                own["state"] = args["state"][i : i + 1]
+            if "mask" in own:
+                own["mask"] = None
+            parts.append(stock(**own)[1])
+        return y, mx.concatenate(parts)
 
     def give_back(self) -> None:
         for i, c in enumerate(self.lanes):
@@ -213,6 +238,10 @@ def capturing(stock):
         if cache is None:
             return stock(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments
+        if isinstance(cache, LaneStates):  # lanes side by side
+            if "lengths" in signature.parameters and a.get("lengths") is None:  # (a gated-delta
+                return cache.own_rows(stock, a, names)  # update's mask keeps the padding out)
+            return stock(**a)
         if "lengths" in a:
             a["lengths"] = None  # the capture's lengths were for the conv window
         if a.get("mask") is not None:  # a padded batch: not the engine's, not captured

@@ -17,6 +17,8 @@ own on the model before lanes may share.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import CacheList
@@ -30,6 +32,15 @@ from .tree import DraftTree
 from .verify import prefill, tree_layout, verify_pass
 
 TOLERANCE = 1e-3  # check_sharing: largest difference of a logit, relative to the largest logit
+
+
+class Sharing(NamedTuple):
+    """Whether lanes of a model share a pass (check_sharing's answer)."""
+
+    reason: str | None  # why its lanes take turns (None: they share each pass)
+    undo_padded: bool = False  # lanes side by side: a lane padded to the widest is undone after the
+    # pass (the mixers, Mamba 1's and Jamba's, run the padding into its states) and feeds its
+    # accepted tokens again; a lane as wide as the pass keeps what it accepted
 
 
 class NotShared(Exception):
@@ -304,7 +315,7 @@ def sharing_reason(engine: Engine) -> str | None:
 _checked: dict[int, tuple] = {}  # id(model) -> (model, check_sharing's answer)
 
 
-def sharing(engine: Engine) -> str | None:
+def sharing(engine: Engine) -> Sharing:
     """check_sharing's answer for the engine's model, checked once per model."""
     model = engine.model
     seen = _checked.get(id(model))
@@ -313,16 +324,18 @@ def sharing(engine: Engine) -> str | None:
     return seen[1]
 
 
-def check_sharing(engine: Engine) -> str | None:
+def check_sharing(engine: Engine) -> Sharing:
     """Run two small lanes (a chain and a tree, 7 and 12 rows; two chains, 7 and 11, on a model
-    with recurrent layers) in one shared pass and each in a pass of its own, on fresh caches: None
-    when their logits and the recurrent states they leave agree, else why not. They agree to
+    with recurrent layers) in one shared pass and each in a pass of its own, on fresh caches: they
+    share passes when their logits and the recurrent states they leave agree. They agree to
     rounding, not bits: a matmul's rows round differently with the number of rows (BLAS blocks
     them), as a verify pass's rows already do against one-row steps; a wrong position, mask or
-    state (a mixer that runs the padding into it) is far off."""
+    state is far off. Side by side, the 7-row lane is padded to 11: where only its states differ
+    (mixers that run the padding into them), lanes still share passes, a padded lane undone after
+    each (Sharing.undo_padded)."""
     reason = sharing_reason(engine)
     if reason:
-        return reason
+        return Sharing(reason)
     model, vocab = engine.model, engine.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(20)], [(5 * i + 1) % vocab for i in range(9)]]
     second = [-1, 0, 1, 2, 3, 4, 5, 6] if engine.seq.cache.recurrent else [-1, -1, 0, 0, 1, 3, 3, 5]
@@ -339,17 +352,18 @@ def check_sharing(engine: Engine) -> str | None:
             passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
             logits = (batch_pass(model, passes) if shared else
                       [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes])
-            states = [a for c in caches for r in c.recurrent for a in r.cache if a is not None]
+            states = [[a for r in c.recurrent for a in r.cache if a is not None] for c in caches]
             mx.eval(logits, states)
             runs.append((logits, states))
     except (NotShared, TypeError, AttributeError, ValueError) as e:
-        return f"its attention cannot be shared ({type(e).__name__}: {e})"
+        return Sharing(f"its attention cannot be shared ({type(e).__name__}: {e})")
     (solo, solo_states), (shared, shared_states) = runs
     if not all(_close(a, b) and mx.array_equal(a.argmax(-1), b.argmax(-1)).item() for a, b in zip(solo, shared)):
-        return "a shared pass differs from passes of its own beyond rounding"
-    if not all(_close(a, b) for a, b in zip(solo_states, shared_states)):
-        return "a shared pass leaves recurrent states other than passes of their own"
-    return None
+        return Sharing("a shared pass differs from passes of its own beyond rounding")
+    agree = [all(_close(a, b) for a, b in zip(x, y)) for x, y in zip(solo_states, shared_states)]
+    if not agree[1]:  # the lane as wide as the pass
+        return Sharing("a shared pass leaves recurrent states other than passes of their own")
+    return Sharing(None, undo_padded=not agree[0])
 
 
 def _close(a: mx.array, b: mx.array) -> bool:

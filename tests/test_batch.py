@@ -1,6 +1,7 @@
 """Several requests in one pass (batch.py): every lane's greedy output equals its solo run on
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
+from cacheback_mlx import recurrent
 from cacheback_mlx.batch import Batch, LaneCosts, Riding, share, share_side_by_side
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
@@ -27,8 +28,8 @@ PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for 
            [(7 * i + 3) % 97 + 1 for i in range(20)]]  # the last shares a prefix with the first
 LENGTHS = [24, 9, 17, 20, 12]
 # lanes that take turns instead of sharing a pass (batch.sharing_reason / check_sharing)
-TURNS = {"jamba", "mamba", "nemotron_h",  # recurrent mixers that run a padded batch into their states
-         "gemma2"}  # attention that builds its own mask
+TURNS = {"gemma2"}  # attention that builds its own mask
+UNDO_PADDED = {"jamba", "mamba"}  # recurrent mixers that run a lane's padding into its states
 CURVE = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.4, 64: 4.0, 128: 7.5, 256: 15.0}
 
 
@@ -44,6 +45,7 @@ def test_every_lane_gets_its_solo_output(family):
     seeds = iter(range(100))
     batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=next(seeds)))
     assert (batch.reason is None) == (family not in TURNS), batch.reason
+    assert batch.undo_padded == (family in UNDO_PADDED)
     lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)])
     assert [lane.tokens for lane in lanes] == [t for _, t in known]
     assert all(lane.finish_reason == "length" for lane in lanes)
@@ -55,7 +57,7 @@ def test_every_lane_gets_its_solo_output(family):
         assert again.stats.prefill_tokens < len(PROMPTS[0])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "nemotron_h"])
 def test_lanes_share_rows_by_measured_cost_and_stay_exact(family):
     model = zoo.tiny_model(family)
     known = streams(model)
@@ -242,8 +244,19 @@ def test_the_cost_of_a_shared_pass_is_the_solo_price_of_its_rows_times_what_the_
 
 
 def test_the_sharing_check_names_why_lanes_take_turns():
-    eng = Engine(zoo.tiny_model("mamba"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
-    assert check_sharing(eng) == "a shared pass leaves recurrent states other than passes of their own"
+    eng = Engine(zoo.tiny_model("gemma2"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert check_sharing(eng).reason.startswith("its attention cannot be shared")
+
+
+@pytest.mark.parametrize("family", ["mamba", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_sharing_check_finds_mixers_that_run_the_padding_into_a_lanes_states(family, capture, monkeypatch):
+    """Nemotron-H's recurrence takes no `lengths`: its padded lanes' states are run again over their
+    own rows where its mixers go through the capturing wrapper (recurrent.LaneStates.own_rows);
+    with capture off they are undone."""
+    monkeypatch.setattr(recurrent, "enabled", capture)
+    eng = Engine(zoo.tiny_model(family), eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert check_sharing(eng) == (None, family in UNDO_PADDED or (family == "nemotron_h" and not capture))
 
 
 def test_sampled_lanes_keep_the_models_distribution():

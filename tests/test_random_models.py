@@ -34,6 +34,7 @@ CASES = {
     "qwen2.5-coder-1.5b": "random:qwen2.5-coder-1.5b:f32:layers=1:vocab=49280",
     "gemma-3-12b": "random:gemma-3-12b:q4:f32:layers=2:vocab=49280",
     "qwen3.5-9b": "random:qwen3.5-9b:q4:f32:layers=2:vocab=49280",
+    "nemotron-h-8b": "random:nemotron-h-8b:q4:f32:layers=3:vocab=49280",
     "qwen3-30b-a3b": "random:qwen3-30b-a3b:q4:f32:layers=1:vocab=49280",
     "gpt-oss-20b": "random:gpt-oss-20b:q4:f32:layers=2:vocab=49280",
 }
@@ -177,6 +178,8 @@ def test_layers_keep_one_layer_of_each_kind():
                                                         + ["linear_attention"] * 2)
     assert cut("random:gpt-oss-20b:layers=3")["layer_types"] == ["sliding_attention", "full_attention",
                                                                  "sliding_attention"]
+    assert cut("random:nemotron-h-8b:layers=3")["hybrid_override_pattern"] == "M-*"  # mamba, mlp, attention
+    assert cut("random:nemotron-h-8b:layers=9")["hybrid_override_pattern"] == "M-M-M-M*-"
     assert random_models.parse_spec("random:qwen3-8b:layers=36").layers is None  # all: normalized away
 
 
