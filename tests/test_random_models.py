@@ -159,6 +159,7 @@ def test_the_spec_dtype_wins_over_the_dtype_argument():
     ("random:qwen3-8b:layers=x", ["layers takes a whole number"]),
     ("random:qwen3-8b:layers=0", ["from 1", "to 36"]),
     ("random:gpt-oss-20b:layers=1", ["from 2", "sliding_attention, full_attention"]),
+    ("random:nemotron-h-8b:layers=2", ["from 3", "mamba, mlp, attention"]),
     ("random:qwen3-8b:vocab=100", ["at least 49152"]),
 ])
 def test_bad_specs_are_one_line_errors(spec, needles):
