@@ -394,6 +394,7 @@ class Batch:
                   for lane, tree, n in zip(lanes, trees, rows)]
         riding = [(feeding.seq.cache, chunk, DraftTree([], []), len(chunk))] if chunk else []
         shared = self.reason is None and not (self.side_by_side and len(passes) == 1)
+        width = max(p[3] for p in passes)  # side by side, every lane's rows in the pass
         logits = (batch_pass(self.model, passes + riding) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
@@ -405,7 +406,7 @@ class Batch:
                 price = self.costs.costs(len(lanes), context)
                 self.riding.timed(True, len(chunk), seconds - price[min(sum(p[3] for p in passes), len(price) - 1)])
             else:
-                run = len(passes) * max(p[3] for p in passes) if self.side_by_side else sum(p[3] for p in passes)
+                run = len(passes) * width if self.side_by_side else sum(p[3] for p in passes)
                 self.costs.timed(len(lanes), context, run, seconds)
         self.passes += 1
         if chunk:
@@ -413,7 +414,7 @@ class Batch:
             feeding.seq.cache.finish_pass(list(range(len(chunk))), True)
             self._fed(feeding, chunk, seconds)
         # accept, roll back and update each lane
-        out, width = [], max(p[3] for p in passes)
+        out = []
         for lane, (_, lead, tree, rows), p in zip(lanes, passes, picks):
             if shared and self.undo_padded:  # the padding ran into a narrower lane's states
                 rows = width
