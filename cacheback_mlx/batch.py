@@ -14,8 +14,9 @@ less here (Riding).
 A lane's output is its solo output: a shared pass is checked against passes of their own on the
 model before lanes share (shared_pass.check_sharing). Models whose lanes cannot share a pass take
 turns, one pass per lane, with the same output: code that reads positions in ways a tree cannot
-place, an attention that does not take the lanes' masks, or a backend where a shared pass differs
-beyond rounding.
+place, an attention that takes neither the lanes' masks nor every lane's keys end to end (Gemma 2's
+takes the latter: shared_pass.Sharing.packed), or a backend where a shared pass differs beyond
+rounding.
 Layers that attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the
 pass through that layer's view (shared_pass.LaneView, LaneMask). Lanes of a model with recurrent
 layers share a pass side by side (chains; shared_pass.py): a lane not accepted whole is undone
@@ -194,7 +195,7 @@ class Batch:
         self.drafters: list[Drafter | None] = [None] * n
         self.make_drafter = make_drafter
         self.lanes: dict[int, Lane] = {}
-        self.reason, self.undo_padded = sharing(engine)  # reason None: lanes share each pass
+        self.reason, self.undo_padded, self.packed = sharing(engine)  # reason None: lanes share each pass
         self.side_by_side = self.reason is None and bool(engine.seq.cache.recurrent)  # lanes as batch rows
         self.stacks = self._new_stacks()  # each layer's keys and values of every lane (None: turns)
         self.passes = 0  # passes run (shared or taken in turns)
@@ -395,7 +396,7 @@ class Batch:
         riding = [(feeding.seq.cache, chunk, DraftTree([], []), len(chunk))] if chunk else []
         shared = self.reason is None and not (self.side_by_side and len(passes) == 1)
         width = max(p[3] for p in passes)  # side by side, every lane's rows in the pass
-        logits = (batch_pass(self.model, passes + riding) if shared else
+        logits = (batch_pass(self.model, passes + riding, self.packed) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]

@@ -13,6 +13,11 @@ laid end to end, and mlx-lm's mixers run a batch of sequences of unequal lengths
 its own batched generation. Their layers get a recurrent.LaneStates, the others a LaneView that
 lays the rows end to end for attention. check_sharing runs a shared pass against passes of their
 own on the model before lanes may share.
+
+A model whose attention works on the keys its cache returns, with a mask it asks for as an array
+(Gemma 2's soft-capped scores), gets every lane's keys end to end instead, and a mask that lets
+each lane's rows see only its own keys ("packed": its attention pays every row against every
+lane's keys; Sharing.packed).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class Sharing(NamedTuple):
     undo_padded: bool = False  # lanes side by side: a lane padded to the widest is undone after the
     # pass (the mixers, Mamba 1's and Jamba's, run the padding into its states) and feeds its
     # accepted tokens again; a lane as wide as the pass keeps what it accepted
+    packed: bool = False  # the model attends over the keys its caches return: every lane's keys end
+    # to end, each lane's rows masked to its own (PassPlan.packed_mask)
 
 
 class NotShared(Exception):
@@ -74,8 +81,9 @@ class PassPlan:
 
     OWN_CALL = 8  # what a call of its own costs, in query rows of a stacked call (~400 keys, CPU)
 
-    def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass]):
-        self.spans, self.layouts = spans, layouts
+    def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass],
+                 packed: bool = False):
+        self.spans, self.layouts, self.packed = spans, layouts, packed
         self.before = [c.length for c in caches]  # each lane's positions before this pass
         self.owners: dict[int, LaneView] = {}  # id of the keys a view handed out -> the view (live in the pass)
         first = [c.kv[0] if c.kv else None for c in caches]
@@ -125,6 +133,21 @@ class PassPlan:
             self.masks[key] = mx.stack(out)[:, None]
         return self.masks[key]
 
+    def packed_mask(self, caches: list[TreeKVCache], window_size: int | None) -> mx.array:
+        """[rows, keys] bool over every lane's rows and every lane's keys after the pass, both end to
+        end (LaneView.packed): each lane's rows see only its own keys, as its own mask has them."""
+        key = ("packed", window_size)
+        if key not in self.masks:
+            keys = [before - c.start + b - a for c, (a, b), before in zip(caches, self.spans, self.before)]
+            total, at, rows = sum(keys), 0, []
+            for c, (a, b), tp, before, n in zip(caches, self.spans, self.layouts, self.before, keys):
+                m = dense_mask(c.mask_at(before, b - a, tp, window_size), b - a, n)
+                rows.append(mx.concatenate([mx.zeros((b - a, at), mx.bool_), m,
+                                            mx.zeros((b - a, total - at - n), mx.bool_)], axis=1))
+                at += n
+            self.masks[key] = mx.concatenate(rows, axis=0)
+        return self.masks[key]
+
 
 class LaneView:
     """One layer's caches of every lane in a shared pass, behind mlx-lm's cache interface: new
@@ -138,7 +161,9 @@ class LaneView:
         self.fetched: list | None = None
         self.new: tuple | None = None
 
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> LaneMask:
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if self.plan.packed:
+            return self.plan.packed_mask(self.caches, window_size)
         return LaneMask(window_size, self.plan)
 
     def keys_and_values(self):
@@ -161,10 +186,18 @@ class LaneView:
                 stack.values[r : r + 1, :, p : p + b - a, :] = values[:, :, a:b]
                 c.offset += b - a
             self.fetched = []
-            return given
-        self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
-                        for c, (a, b) in zip(self.caches, plan.spans)]
+        else:
+            self.fetched = [c.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
+                            for c, (a, b) in zip(self.caches, plan.spans)]
+        if plan.packed:  # the model attends over what it gets back: every lane's keys end to end
+            return self.packed()
         return given
+
+    def packed(self) -> tuple[mx.array, mx.array]:
+        """Every lane's keys and values after the pass, end to end (what a packed pass's model
+        attends over: Sharing.packed)."""
+        held = self.fetched or [c.keys_and_values() for c in self.caches]
+        return tuple(mx.concatenate([kv[i] for kv in held], axis=2) for i in (0, 1))
 
     def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
         if not isinstance(mask, LaneMask) or self.fetched is None:
@@ -233,12 +266,13 @@ def dense_mask(mask, rows: int, keys: int) -> mx.array:
     return mask.reshape(rows, keys)
 
 
-def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]) -> list[mx.array]:
+def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]],
+               packed: bool = False) -> list[mx.array]:
     """ONE pass over every lane's lead + tree (padded to its rows); per lane, the logits of its
     root and nodes (verify_pass's). Each lane's caches then hold its rows past their old length,
     as after verify_pass; ModelCache.finish_pass keeps the accepted ones. Lanes with recurrent
     layers go side by side (chains, each padded to the longest lane's rows; their states end after
-    their own rows, `rows` not counting the padding)."""
+    their own rows, `rows` not counting the padding). packed: see Sharing.packed."""
     caches = [p[0] for p in passes]
     side_by_side = bool(caches[0].recurrent)
     width = max(p[3] for p in passes)
@@ -261,7 +295,7 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
         start += rows
     for c in caches:
         c.begin_pass()
-    plan = PassPlan(caches, spans, layouts)
+    plan = PassPlan(caches, spans, layouts, packed)
     states: list[LaneStates] = []
     views = [_view([c.layers[j] for c in caches], plan, [p[3] for p in passes], states)
              for j in range(len(caches[0].layers))]
@@ -332,31 +366,43 @@ def check_sharing(engine: Engine) -> Sharing:
     them), as a verify pass's rows already do against one-row steps; a wrong position, mask or
     state is far off. Side by side, the 7-row lane is padded to 11: where only its states differ
     (mixers that run the padding into them), lanes still share passes, a padded lane undone after
-    each (Sharing.undo_padded)."""
+    each (Sharing.undo_padded). A model whose attention does not take the lanes' masks is tried
+    again with every lane's keys end to end (Sharing.packed)."""
     reason = sharing_reason(engine)
     if reason:
         return Sharing(reason)
+    try:
+        return _try_sharing(engine, packed=False)
+    except (NotShared, TypeError, AttributeError, ValueError) as e:
+        failed = f"its attention cannot be shared ({type(e).__name__}: {e})"
+    if engine.seq.cache.recurrent:
+        return Sharing(failed)
+    try:  # a model that attends over the keys its caches return
+        answer = _try_sharing(engine, packed=True)
+    except (NotShared, TypeError, AttributeError, ValueError):
+        return Sharing(failed)
+    return answer if answer.reason else answer._replace(packed=True)
+
+
+def _try_sharing(engine: Engine, packed: bool) -> Sharing:
     model, vocab = engine.model, engine.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(20)], [(5 * i + 1) % vocab for i in range(9)]]
     second = [-1, 0, 1, 2, 3, 4, 5, 6] if engine.seq.cache.recurrent else [-1, -1, 0, 0, 1, 3, 3, 5]
     trees = [DraftTree([(i + 2) % vocab for i in range(4)], [-1, 0, 1, 2]),
              DraftTree([(3 * i + 1) % vocab for i in range(8)], second)]
     leads = [p[-3:] for p in prompts]
-    try:
-        runs = []
-        for shared in (False, True):
-            stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if shared else None
-            caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
-            for c, p in zip(caches, prompts):
-                prefill(model, c, p[:-3])
-            passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
-            logits = (batch_pass(model, passes) if shared else
-                      [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes])
-            states = [[a for r in c.recurrent for a in r.cache if a is not None] for c in caches]
-            mx.eval(logits, states)
-            runs.append((logits, states))
-    except (NotShared, TypeError, AttributeError, ValueError) as e:
-        return Sharing(f"its attention cannot be shared ({type(e).__name__}: {e})")
+    runs = []
+    for shared in (False, True):
+        stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if shared else None
+        caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
+        for c, p in zip(caches, prompts):
+            prefill(model, c, p[:-3])
+        passes = [(c, lead, t, len(lead) + len(t)) for c, lead, t in zip(caches, leads, trees)]
+        logits = (batch_pass(model, passes, packed) if shared else
+                  [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes])
+        states = [[a for r in c.recurrent for a in r.cache if a is not None] for c in caches]
+        mx.eval(logits, states)
+        runs.append((logits, states))
     (solo, solo_states), (shared, shared_states) = runs
     if not all(_close(a, b) and mx.array_equal(a.argmax(-1), b.argmax(-1)).item() for a, b in zip(solo, shared)):
         return Sharing("a shared pass differs from passes of its own beyond rounding")

@@ -16,6 +16,7 @@ from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
 
 import mlx.core as mx
+from mlx_lm.models import base, gemma2
 import numpy as np
 import pytest
 
@@ -28,7 +29,8 @@ PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for 
            [(7 * i + 3) % 97 + 1 for i in range(20)]]  # the last shares a prefix with the first
 LENGTHS = [24, 9, 17, 20, 12]
 # lanes that take turns instead of sharing a pass (batch.sharing_reason / check_sharing)
-TURNS = {"gemma2"}  # attention that builds its own mask
+TURNS: set[str] = set()
+PACKED = {"gemma2"}  # attention over the keys its caches return, with a mask of its own
 UNDO_PADDED = {"jamba", "mamba"}  # recurrent mixers that run a lane's padding into its states
 CURVE = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.4, 64: 4.0, 128: 7.5, 256: 15.0}
 
@@ -46,6 +48,7 @@ def test_every_lane_gets_its_solo_output(family):
     batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=next(seeds)))
     assert (batch.reason is None) == (family not in TURNS), batch.reason
     assert batch.undo_padded == (family in UNDO_PADDED)
+    assert batch.packed == (family in PACKED)
     lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)])
     assert [lane.tokens for lane in lanes] == [t for _, t in known]
     assert all(lane.finish_reason == "length" for lane in lanes)
@@ -57,7 +60,7 @@ def test_every_lane_gets_its_solo_output(family):
         assert again.stats.prefill_tokens < len(PROMPTS[0])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "qwen3_next", "nemotron_h"])
 def test_lanes_share_rows_by_measured_cost_and_stay_exact(family):
     model = zoo.tiny_model(family)
     known = streams(model)
@@ -85,8 +88,8 @@ def test_a_cancelled_lane_never_disturbs_the_others():
     assert late.tokens == known[3][1]
 
 
-@pytest.mark.parametrize("family,ride", [("llama", True), ("llama", False), ("gemma3_text", True),
-                                         ("qwen3_next", True)])
+@pytest.mark.parametrize("family,ride", [("llama", True), ("llama", False), ("gemma2", True),
+                                         ("gemma3_text", True), ("qwen3_next", True)])
 def test_a_joining_prompt_goes_a_chunk_a_pass_while_the_running_lanes_keep_producing(family, ride):
     """A 61-token prompt joins beside a running lane, in 8-token chunks: each chunk rides in the
     running lane's pass (one pass for both where lanes share one end to end; recurrent lanes go
@@ -243,8 +246,14 @@ def test_the_cost_of_a_shared_pass_is_the_solo_price_of_its_rows_times_what_the_
     assert costs.factor(4, 300) == 1.0 and costs.factor(8, 3000) == 1.0  # per lane count and context band
 
 
-def test_the_sharing_check_names_why_lanes_take_turns():
+def test_the_sharing_check_names_why_lanes_take_turns(monkeypatch):
+    """Gemma 2 attends over the keys its caches return, with a mask it asks its cache for: it gets
+    every lane's keys end to end. One whose attention makes its mask without asking the cache
+    takes turns, and the check says why."""
     eng = Engine(zoo.tiny_model("gemma2"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert check_sharing(eng) == (None, False, True)
+    own_mask = base.create_attention_mask
+    monkeypatch.setattr(gemma2, "create_attention_mask", lambda h, cache=None, **kw: own_mask(h, None, **kw))
     assert check_sharing(eng).reason.startswith("its attention cannot be shared")
 
 
@@ -256,7 +265,7 @@ def test_the_sharing_check_finds_mixers_that_run_the_padding_into_a_lanes_states
     with capture off they are undone."""
     monkeypatch.setattr(recurrent, "enabled", capture)
     eng = Engine(zoo.tiny_model(family), eos_ids=[], drafter=NoDrafter(), context_length=4096)
-    assert check_sharing(eng) == (None, family in UNDO_PADDED or (family == "nemotron_h" and not capture))
+    assert check_sharing(eng) == (None, family in UNDO_PADDED or (family == "nemotron_h" and not capture), False)
 
 
 def test_sampled_lanes_keep_the_models_distribution():

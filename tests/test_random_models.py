@@ -32,6 +32,7 @@ CASES = {
     "qwen3-1.7b": "random:qwen3-1.7b:q8:f32:layers=1:vocab=49280",
     "qwen3-8b": "random:qwen3-8b:q4:f32:layers=1:vocab=49280",
     "qwen2.5-coder-1.5b": "random:qwen2.5-coder-1.5b:f32:layers=1:vocab=49280",
+    "gemma-2-2b": "random:gemma-2-2b:q8:f32:layers=1:vocab=49280",
     "gemma-3-12b": "random:gemma-3-12b:q4:f32:layers=2:vocab=49280",
     "qwen3.5-9b": "random:qwen3.5-9b:q4:f32:layers=2:vocab=49280",
     "nemotron-h-8b": "random:nemotron-h-8b:q4:f32:layers=3:vocab=49280",

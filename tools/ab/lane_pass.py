@@ -70,7 +70,7 @@ def main(model, context, layouts, repeats, ride, turns):
         for _ in range(repeats + 2):
             passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
             t0 = time.perf_counter()
-            mx.eval(batch_pass(batch.model, passes))
+            mx.eval(batch_pass(batch.model, passes, batch.packed))
             times.append(time.perf_counter() - t0)
             for lane in lanes[: len(rows)]:
                 lane.seq.cache.finish_pass([0], False)
@@ -105,9 +105,9 @@ def main(model, context, layouts, repeats, ride, turns):
                 passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
                 t0 = time.perf_counter()
                 if riding:
-                    mx.eval(batch_pass(batch.model, passes + [(rider, chunk, DraftTree([], []), ride)]), rider.arrays())
+                    mx.eval(batch_pass(batch.model, passes + [(rider, chunk, DraftTree([], []), ride)], batch.packed), rider.arrays())
                 else:
-                    mx.eval(batch_pass(batch.model, passes))
+                    mx.eval(batch_pass(batch.model, passes, batch.packed))
                     prefill(batch.model, rider, chunk, ride)
                 times[riding].append(time.perf_counter() - t0)
                 for lane in lanes[: len(rows)]:
