@@ -12,10 +12,10 @@ prompt: the chunk rides in the lanes' shared pass or goes in a pass of its own, 
 less here (Riding).
 
 A lane's output is its solo output: a shared pass is checked against passes of their own on the
-model before lanes share (shared_pass.check_sharing). Models whose lanes cannot share a pass take
+model before lanes share (sharing.check_sharing). Models whose lanes cannot share a pass take
 turns, one pass per lane, with the same output: code that reads positions in ways a tree cannot
 place, an attention that takes neither the lanes' masks nor every lane's keys end to end (Gemma 2's
-takes the latter: shared_pass.Sharing.packed), or a backend where a shared pass differs beyond
+takes the latter: sharing.Sharing.packed), or a backend where a shared pass differs beyond
 rounding.
 Layers that attend over another layer's keys (gemma3n's and gemma4's KV-shared layers) share the
 pass through that layer's view (shared_pass.LaneView, LaneMask). Lanes of a model with recurrent
@@ -29,7 +29,6 @@ Jamba), a lane narrower than the pass is undone after it, as one not accepted wh
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .batch_plan import LaneCosts, Riding, share, share_side_by_side
 from .budget import Sizer
 from .drafters.base import Drafter
 from .engine import Engine, Interrupted, Stats, accept
@@ -45,118 +45,11 @@ from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
 from .sampling import SamplingParams, token_picker
-from .shared_pass import batch_pass, sharing
+from .shared_pass import batch_pass
+from .sharing import sharing
 from .slots import Sequence, choose_sequence
 from .tree import DraftTree, common_prefix
 from .verify import padded_size, prefill, verify_pass
-
-
-class LaneCosts:
-    """What a shared pass costs on this machine: the sizer's price of a solo pass of as many rows
-    (its measured table knows the BLAS's row tiles) times what the lanes add: each attends over
-    its own cache, and its keys and values are written apart. That factor is about level across
-    the pass's rows (1.25-1.5 for 8 lanes of a 135M model at 8-24 rows, docs/BENCHMARKS.md §10), so
-    it is learned per lane count and context band as one number: a running mean over the passes
-    run, recent ones weighing more."""
-
-    DECAY = 0.97  # weight of a pass after each later one
-
-    def __init__(self, sizer: Sizer):
-        self.sizer = sizer
-        self.ratios: dict[tuple[int, int], tuple[float, float]] = {}  # (lanes, band) -> (weight, sum)
-
-    def factor(self, lanes: int, context: int) -> float:
-        """A shared pass of `lanes` lanes against a solo pass of as many rows (1 until one was timed)."""
-        w, total = self.ratios.get((lanes, context // 1024), (0.0, 0.0))
-        return total / w if w else 1.0
-
-    def costs(self, lanes: int, context: int) -> np.ndarray:
-        """Seconds of a shared pass of `lanes` lanes by its rows in all (index), padding included,
-        at about `context` cached tokens a lane."""
-        return self.sizer.costs(context) * self.factor(lanes, context)
-
-    def timed(self, lanes: int, context: int, rows: int, seconds: float) -> None:
-        """A shared pass of `lanes` lanes, run as `rows` rows in all, took `seconds`."""
-        key = (lanes, context // 1024)
-        w, total = self.ratios.get(key, (0.0, 0.0))
-        ratio = seconds / self.sizer.price(rows, context)
-        self.ratios[key] = (w * self.DECAY + 1.0, total * self.DECAY + ratio)
-
-
-class Riding:
-    """Whether a prefill chunk rides in the running lanes' pass (the weights read once for both)
-    or goes in a pass of its own, by what each way has cost a chunk's token here: riding, the
-    pass's time beyond the price of the same pass without the chunk (LaneCosts); alone, the
-    chunk's own time. Running means; the way not chosen is tried again once in TRY chunks. Where
-    a pass's rows cost little beside what every pass costs (launch-bound passes), riding saves a
-    pass; on a 2-core CPU a 128-row chunk's rows cost most of the pass, and riding costs about
-    what the chunk and the pass cost apart (the output head runs on the chunk's rows too)."""
-
-    TRY = 8
-    DECAY = 0.9
-
-    def __init__(self, fixed: bool | None = None):
-        self.fixed = fixed  # True / False: always that way (None: learned)
-        self.means: dict[bool, tuple[float, float]] = {}  # way -> (weight, sum of seconds a token)
-        self.chunks = 0
-
-    def ride(self) -> bool:
-        if self.fixed is not None:
-            return self.fixed
-        self.chunks += 1
-        for way in (True, False):
-            if way not in self.means:
-                return way
-        cost = {way: total / w for way, (w, total) in self.means.items()}
-        best = cost[True] <= cost[False]
-        return (not best) if self.chunks % self.TRY == 0 else best
-
-    def timed(self, ride: bool, tokens: int, seconds: float) -> None:
-        w, total = self.means.get(ride, (0.0, 0.0))
-        self.means[ride] = (w * self.DECAY + 1.0, total * self.DECAY + max(seconds, 0.0) / max(tokens, 1))
-
-
-def share_side_by_side(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
-    """share's answer for lanes that go side by side (shared_pass.py: every lane padded to the
-    widest): a pass `w` rows wide costs as many rows as lanes x w, and each lane sends its first
-    w - lead drafts; the width taken is the one with the most expected tokens per second."""
-    if costs is None:
-        return [len(s) for _, s in offers]
-    lanes = len(offers)
-    lo, hi = max(lead for lead, _ in offers), max(lead + len(s) for lead, s in offers)
-    best, width = -1.0, lo
-    for w in range(lo, hi + 1):
-        if lanes * w >= len(costs):
-            break
-        expected = lanes + sum(float(np.clip(s[: w - lead], 0.0, 1.0).sum()) for lead, s in offers)
-        if expected / costs[lanes * w] > best:
-            best, width = expected / costs[lanes * w], w
-    return [min(len(s), width - lead) for lead, s in offers]
-
-
-def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
-    """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
-    acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
-    the count taken is the one with the most expected tokens per second of the whole pass, by
-    `costs` (LaneCosts.costs: seconds by the pass's rows in all). Without them (a fixed budget)
-    every lane sends all it offered."""
-    if costs is None:
-        return [len(s) for _, s in offers]
-    base = sum(lead for lead, _ in offers)
-    heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
-    heapq.heapify(heap)
-    order, expected = [], [float(len(offers))]
-    while heap and base + len(order) < len(costs) - 1:
-        neg, i, j = heapq.heappop(heap)
-        order.append(i)
-        expected.append(expected[-1] + min(max(-neg, 0.0), 1.0))
-        if j + 1 < len(offers[i][1]):
-            heapq.heappush(heap, (-float(offers[i][1][j + 1]), i, j + 1))
-    k = int(np.argmax(np.array(expected) / costs[base : base + len(expected)]))
-    counts = [0] * len(offers)
-    for i in order[:k]:
-        counts[i] += 1
-    return counts
 
 
 @dataclass

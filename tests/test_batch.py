@@ -2,7 +2,8 @@
 every family of the zoo, with adversarial drafters, lanes joining and leaving at different steps."""
 
 from cacheback_mlx import recurrent
-from cacheback_mlx.batch import Batch, LaneCosts, Riding, share, share_side_by_side
+from cacheback_mlx.batch import Batch
+from cacheback_mlx.batch_plan import LaneCosts, Riding, share, share_side_by_side
 from cacheback_mlx.budget import Sizer
 from cacheback_mlx.costs import CostTable
 from cacheback_mlx.drafters.base import NoDrafter
@@ -11,14 +12,15 @@ from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.kvcache import KVStack, ModelCache
 from cacheback_mlx.positions import TreePass
 from cacheback_mlx.sampling import SamplingParams
-from cacheback_mlx.shared_pass import PassPlan, batch_pass, check_sharing
+from cacheback_mlx.shared_pass import PassPlan, batch_pass
+from cacheback_mlx.sharing import check_sharing
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
 
 import mlx.core as mx
-from mlx_lm.models import base, gemma2
 import numpy as np
 import pytest
+from mlx_lm.models import base, gemma2
 
 import zoo
 from adversarial import KnownStreamsDrafter

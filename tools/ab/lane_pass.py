@@ -1,5 +1,5 @@
 """What one shared pass over a batch's lanes costs, by how its rows are spread over the lanes,
-against the sizer's price of a solo pass of as many rows (what batch.LaneCosts scales).
+against the sizer's price of a solo pass of as many rows (what batch_plan.LaneCosts scales).
 
     .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"] [--ride 128]
         [--turns]
@@ -36,7 +36,7 @@ def parse(layout: str) -> list[int]:
 @click.option("--layouts", default="1x8;2x8;3x8;9+1x7;16+1x7;5x2+1x6;3x5+1x3")
 @click.option("--repeats", default=7)
 @click.option("--ride", default=0, help="also time a prefill chunk of this many tokens riding in each layout's pass, "
-              "against the chunk in a pass of its own plus the layout's pass (batch.Riding's two ways)")
+              "against the chunk in a pass of its own plus the layout's pass (batch_plan.Riding's two ways)")
 @click.option("--turns", is_flag=True, help="also time the lanes' passes of their own, one after another")
 def main(model, context, layouts, repeats, ride, turns):
     from cacheback_mlx.api import Session
@@ -105,7 +105,8 @@ def main(model, context, layouts, repeats, ride, turns):
                 passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
                 t0 = time.perf_counter()
                 if riding:
-                    mx.eval(batch_pass(batch.model, passes + [(rider, chunk, DraftTree([], []), ride)], batch.packed), rider.arrays())
+                    riders = [(rider, chunk, DraftTree([], []), ride)]
+                    mx.eval(batch_pass(batch.model, passes + riders, batch.packed), rider.arrays())
                 else:
                     mx.eval(batch_pass(batch.model, passes, batch.packed))
                     prefill(batch.model, rider, chunk, ride)
