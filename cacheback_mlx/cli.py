@@ -449,7 +449,8 @@ def doctor(model_spec, drafter, drafter_args):
         from .loader import load
 
         loaded = load(model_spec)
-        info = Engine(loaded.model, [], NoDrafter(), loaded.context_length).describe()
+        engine = Engine(loaded.model, [], NoDrafter(), loaded.context_length)
+        info = engine.describe()
         click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}, "
                    f"dtype {loaded.dtype}" + (f"; {loaded.note}" if loaded.note else ""))
         shape = model_shape(loaded.model)
@@ -471,6 +472,10 @@ def doctor(model_spec, drafter, drafter_args):
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
+        from .sharing import describe, sharing
+
+        click.echo(f"several requests at once (serve --parallel): "
+                   f"{describe(sharing(engine), bool(engine.seq.cache.recurrent))}")
         from .api import cost_file
         from .costs import CostTable, PriorCost
 

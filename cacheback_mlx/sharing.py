@@ -114,6 +114,18 @@ def _try_sharing(engine: Engine, packed: bool) -> Sharing:
     return Sharing(None, undo_padded=not agree[0])
 
 
+def describe(answer: Sharing, recurrent: bool) -> str:
+    """How several requests at once run on a model (`doctor --model`)."""
+    if answer.reason:
+        return f"in turns, a pass each ({answer.reason})"
+    how = "side by side, chains padded to the widest" if recurrent else "rows end to end"
+    if answer.packed:
+        how += ", every lane's keys end to end"
+    if answer.undo_padded:
+        how += ", a lane narrower than the pass undone after it"
+    return f"one shared pass, {how}"
+
+
 def _close(a: mx.array, b: mx.array) -> bool:
     scale = max(1.0, mx.abs(a).max().item())
     return a.shape == b.shape and mx.abs(a - b).max().item() <= TOLERANCE * scale

@@ -13,7 +13,7 @@ from cacheback_mlx.kvcache import KVStack, ModelCache
 from cacheback_mlx.positions import TreePass
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.shared_pass import PassPlan, batch_pass
-from cacheback_mlx.sharing import check_sharing
+from cacheback_mlx.sharing import check_sharing, describe
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, verify_pass
 
@@ -254,9 +254,11 @@ def test_the_sharing_check_names_why_lanes_take_turns(monkeypatch):
     takes turns, and the check says why."""
     eng = Engine(zoo.tiny_model("gemma2"), eos_ids=[], drafter=NoDrafter(), context_length=4096)
     assert check_sharing(eng) == (None, False, True)
+    assert describe(check_sharing(eng), False) == "one shared pass, rows end to end, every lane's keys end to end"
     own_mask = base.create_attention_mask
     monkeypatch.setattr(gemma2, "create_attention_mask", lambda h, cache=None, **kw: own_mask(h, None, **kw))
     assert check_sharing(eng).reason.startswith("its attention cannot be shared")
+    assert describe(check_sharing(eng), False).startswith("in turns, a pass each (its attention cannot be shared")
 
 
 @pytest.mark.parametrize("family", ["mamba", "qwen3_next", "nemotron_h"])
@@ -267,7 +269,10 @@ def test_the_sharing_check_finds_mixers_that_run_the_padding_into_a_lanes_states
     with capture off they are undone."""
     monkeypatch.setattr(recurrent, "enabled", capture)
     eng = Engine(zoo.tiny_model(family), eos_ids=[], drafter=NoDrafter(), context_length=4096)
-    assert check_sharing(eng) == (None, family in UNDO_PADDED or (family == "nemotron_h" and not capture), False)
+    answer = check_sharing(eng)
+    assert answer == (None, family in UNDO_PADDED or (family == "nemotron_h" and not capture), False)
+    assert describe(answer, True).startswith("one shared pass, side by side, chains padded to the widest")
+    assert describe(answer, True).endswith("undone after it") == answer.undo_padded
 
 
 def test_sampled_lanes_keep_the_models_distribution():

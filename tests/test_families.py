@@ -232,6 +232,7 @@ def test_mlx_lm_folder_of_every_family_loads_and_doctor_names_its_caches(name, t
     assert result.exit_code == 0, result.output
     caches = Engine(model, [], NoDrafter(), 4096).describe()["caches"]
     assert all(f"{k} x{v}" in result.output for k, v in caches.items()), result.output
+    assert "several requests at once (serve --parallel): one shared pass" in result.output, result.output
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text", "falcon_h1"])
