@@ -26,8 +26,7 @@ class Sharing(NamedTuple):
     # pass (the mixers, Mamba 1's and Jamba's, run the padding into its states) and feeds its
     # accepted tokens again; a lane as wide as the pass keeps what it accepted
     packed: bool = False  # the model attends over the keys its caches return: every lane's keys end
-    # to end, each lane's rows masked to its own (PassPlan.packed_mask)
-
+    # to end, each lane's rows masked to its own (shared_pass.PassPlan.packed_mask)
 
 
 def sharing_reason(engine: Engine) -> str | None:
