@@ -195,10 +195,12 @@ def test_propose_is_fast():
     d = CachebackDrafter()
     hist = rich_history(2000)
     d.observe(hist)
-    t0 = time.perf_counter()
-    for _ in range(50):
+    times = []
+    for _ in range(51):
+        t0 = time.perf_counter()
         tree = d.propose(hist, 95)
-    per = (time.perf_counter() - t0) / 50
+        times.append(time.perf_counter() - t0)
+    per = sorted(times)[25]  # the median: a busy machine stalls a call now and then
     assert len(tree) == 95
     assert per < 2e-3, per  # target < 300 us here; loose bound for slow CI machines
 

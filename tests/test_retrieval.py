@@ -194,10 +194,15 @@ def test_retrieval_is_fast_on_a_10m_token_store():
     idx = SuffixIndex(rng.integers(0, 49152, size=10_000_000, dtype=np.int32))
     d = RestDrafter(idx)
     ctx = list(rng.integers(0, 49152, size=40))
-    t0 = time.perf_counter()
-    for _ in range(20):
+    d.propose(ctx, 32)  # first touch of the index's pages
+    times = []
+    for _ in range(21):
+        t0 = time.perf_counter()
         d.propose(ctx, 32)
-    assert (time.perf_counter() - t0) / 20 < 5e-3  # ~0.1 ms here; loose for slow CI
+        times.append(time.perf_counter() - t0)
+    # the median: a busy machine (another process, a background thread of an earlier test) stalls
+    # a call now and then, and a stall of 0.2 s in 20 calls failed a mean of them
+    assert np.median(times) < 5e-3  # ~0.35 ms here; loose for slow CI
 
 
 @pytest.mark.skipif(not SHARED_STREAMS.exists(), reason="../shared/data/smollm2_greedy not present")
