@@ -38,13 +38,17 @@ def prompt_texts(n: int, seed: int) -> list[str]:
     return [p.turns[0] for p in sample(n, seed)]
 
 
+def up_to_eos(session: Session, out: list[int]) -> list[int]:
+    eos = session.tokenizer.eos_token_ids
+    return out[: min([out.index(t) for t in eos if t in out] or [len(out)])]
+
+
 def mlx_lm_batch(session: Session, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     from mlx_lm.generate import batch_generate
 
-    eos = session.tokenizer.eos_token_ids
     out = batch_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens,
                          return_token_ids=True).token_ids
-    return [o[: min([o.index(t) for t in eos if t in o] or [len(o)])] for o in out]  # up to EOS
+    return [up_to_eos(session, o) for o in out]
 
 
 def mlx_lm_one_by_one(session: Session, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -54,12 +58,8 @@ def mlx_lm_one_by_one(session: Session, ids: list[list[int]], max_tokens: int) -
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    eos = session.tokenizer.eos_token_ids
-    out = []
-    for p in ids:
-        o = [int(t) for t, _ in generate_step(mx.array(p), session.loaded.model, max_tokens=max_tokens)]
-        out.append(o[: min([o.index(t) for t in eos if t in o] or [len(o)])])
-    return out
+    return [up_to_eos(session, [int(t) for t, _ in generate_step(mx.array(p), session.loaded.model,
+                                                                   max_tokens=max_tokens)]) for p in ids]
 
 
 def ours(session: Session, ids, max_tokens: int, lanes: int) -> list[list[int]]:
