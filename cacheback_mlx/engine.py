@@ -5,7 +5,10 @@ sequences at once, slots.py) and knows no particular drafter: any Drafter propos
 which goes through the model in one pass (verify.verify_pass); the longest root path whose tokens
 the model itself picks is accepted, plus the model's own token after it (the bonus); the rest of
 the cache is rolled back (ModelCache.finish_pass); the drafter then learns the accepted tokens.
-A step with an empty draft is a plain one-token decoding step.
+A step with an empty draft is a plain one-token decoding step. On a GPU such a step starts the
+next plain step over its token before that token is read, as mlx-lm's loop does, so the device
+does not wait while this loop reads it, updates the drafter and builds the next graph
+(`run_ahead`); where the drafter drafts again, the step already started leads the drafted pass.
 
 Models with recurrent layers get chain drafts, and so do models with position-dependent code the
 engine cannot place in a tree (positions.py). A recurrent state cannot be cut back: where every
@@ -17,6 +20,7 @@ only when accepted whole; otherwise it is undone and its accepted tokens lead th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -37,7 +41,7 @@ from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix
-from .verify import PREFILL_CHUNK, cpu_prefill_chunk, prefill, verify_pass
+from .verify import PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -46,6 +50,7 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+RUN_AHEAD_ENV = "CACHEBACK_MLX_RUN_AHEAD"
 MAX_DRAFT = 63  # the most draft tokens a per-step budget may choose (63 + the root = one GPU bucket)
 
 
@@ -68,6 +73,7 @@ class Stats:
     passes: int = 0  # verify (forward) passes after prefill
     drafted: int = 0  # draft tokens sent for verification
     undone: int = 0  # passes undone whole (recurrent models: their accepted tokens lead the next pass)
+    ahead: int = 0  # plain steps started before the token they read was known (Engine.set_run_ahead)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # time of all steps, drafting included
     draft_s: float = 0.0  # time inside the drafter (propose + observe)
@@ -173,13 +179,15 @@ class Engine:
 
     def __init__(self, model, eos_ids: Seq[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
-                 sizer: Sizer | None = None, peers=None, slots: int = 1, slot_bytes: int = SLOT_BYTES):
+                 sizer: Sizer | None = None, peers=None, slots: int = 1, slot_bytes: int = SLOT_BYTES,
+                 run_ahead: bool | None = None):
         """sizer: chooses each pass's draft size from measured pass costs (budget.py), with
         draft_budget (default MAX_DRAFT) as a cap; without one every pass drafts up to
         draft_budget (default: per backend).
         peers: for a model sharded over processes, the other ranks (distributed.Leader): each
         cache operation below is announced to them first, so every rank does the same.
-        slots: sequences kept at once, each with its own caches (slots.py; one with peers)."""
+        slots: sequences kept at once, each with its own caches (slots.py; one with peers).
+        run_ahead: see set_run_ahead."""
         self.model = model
         self.peers = peers
         self.eos_ids = set(int(t) for t in eos_ids)
@@ -200,6 +208,17 @@ class Engine:
         self.slots = Slots(1 if peers is not None else slots, self.seq, slot_bytes)
         self.stats = Stats()
         self.watchers: list = []  # called with each PassEvent (watch)
+        self.set_run_ahead(run_ahead)
+
+    def set_run_ahead(self, on: bool | None = None) -> None:
+        """Whether a plain step starts the next one before its token is read (see generate). It
+        pays where building a step's graph costs as much as running it (a GPU: mlx-lm's loop does
+        the same); on the CPU it gains nothing measurable and costs the drafter a pass where it
+        starts drafting again. None: on a GPU, unless CACHEBACK_MLX_RUN_AHEAD says 0 or 1."""
+        if on is None:
+            env = os.environ.get(RUN_AHEAD_ENV, "")
+            on = env == "1" if env in ("0", "1") else on_gpu()
+        self.run_ahead = bool(on)
 
     def watch(self, fn) -> "callable":
         """Call fn(PassEvent) after every pass from now on (tools and tests that look at what the
@@ -412,9 +431,11 @@ class Engine:
         self.stats = stats = Stats(prompt_tokens=len(prompt))
         pick = token_picker(sampling)  # a seeded one draws from its own key
         plan = self.planner
+        ahead_ok = self.run_ahead and self.peers is None and forced is None  # see `ahead` below
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
             self._start(prompt, context, plan.lead_tail, slot, stop)
             seq = self.seq  # the sequence this request runs in (its slot's)
+            ahead = None  # a plain step already running over seq.lead: its logits
             t_start = time.perf_counter()
             try:
                 while stats.tokens < max_tokens:
@@ -428,10 +449,26 @@ class Engine:
                     tree = self.draft(self.drafter, seq.history, budget)
                     tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
-                    # verify: lead + draft in one pass
+                    drafts = len(tree) > 0 or size > len(lead)  # worth more than a plain step
+                    # verify: lead + draft in one pass (or the plain step over lead that already runs)
                     t0 = time.perf_counter()
-                    logits = self._verify(lead, tree, size)
-                    picks = pick(logits, len(seq.cached) + len(lead), tree).tolist()  # evaluates the pass
+                    if ahead is not None:
+                        logits, tree, size, ahead = ahead, DraftTree.empty(), len(lead), None
+                    else:
+                        logits = self._verify(lead, tree, size)
+                    picks = pick(logits, len(seq.cached) + len(lead), tree)
+                    if (ahead_ok and not drafts and size == len(lead) == 1 and len(tree) == 0
+                            and stats.tokens + 1 < max_tokens):
+                        # a plain step: keep its row, and start the next plain step over its token
+                        # before that token is read, so the device never waits for this loop (as
+                        # in mlx-lm's). The drafter speaks again at the next token: if it drafts
+                        # there, that step's token leads the drafted pass after it.
+                        mx.async_eval(picks)
+                        self._finish([0], True)
+                        ahead = step_pass(self.model, seq.cache, picks)
+                        mx.async_eval(ahead)
+                        stats.ahead += 1
+                    picks = picks.tolist()  # evaluates the pass
                     if forced is not None:
                         picks = forced_picks(tree, forced[stats.tokens :])
                     seconds = time.perf_counter() - t0
@@ -441,10 +478,11 @@ class Engine:
                     accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
                     plan.record(size, len(seq.cached), seconds, tree, path, accepted)
                     self._ran(PassEvent("verify", size, len(seq.cached), seconds, len(lead), len(tree)))
-                    # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all)
+                    # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all);
+                    # a plain step that started the next one kept its row already
                     rows = list(range(len(lead))) + [len(lead) + i for i in path]
                     whole = len(path) == len(tree) and size == len(rows)
-                    if self._finish(rows, whole):
+                    if ahead is not None or self._finish(rows, whole):
                         seq.cached.extend(lead + accepted[:-1])
                         seq.lead = [bonus]
                     else:
@@ -470,5 +508,7 @@ class Engine:
                     if eos is not None or len(out) < len(accepted):
                         break
             finally:
+                if ahead is not None:  # a step started past the last token (EOS, or the caller stopped)
+                    self._finish([], False)
                 stats.decode_s = time.perf_counter() - t_start
                 self.drafter.end_request()

@@ -75,6 +75,18 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
     return logits[0, lead_n - 1 : n]
 
 
+def step_pass(model, cache: ModelCache, token: mx.array) -> mx.array:
+    """A plain decoding step over one token that may still be computing (an mx.array [1], the pick
+    of the pass before it): the graph verify_pass builds for a one-token lead and no draft, built
+    before that token is known, so the device runs it right after the pass before (the engine's
+    steps run ahead, as mlx-lm's loop does). Returns logits [1, vocab]; the caller keeps or drops
+    its row with ModelCache.finish_pass."""
+    cache.begin_pass()
+    with activations.engine_pass(), kernels.rows_pass(real=1):
+        logits = model(token.astype(mx.int32).reshape(1, 1), cache=cache.layers)
+    return logits[0, -1:]
+
+
 PREFILL_CHUNK = 512
 
 

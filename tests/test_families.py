@@ -8,6 +8,7 @@ from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.kvcache import WindowKVCache
+from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import verify_pass
 
@@ -381,3 +382,60 @@ def test_a_prefill_stopped_between_chunks_resumes_exactly(family, monkeypatch):
     out = [t for step in eng.generate(prompt, 12) for t in step]
     assert out == truth, name
     assert eng.stats.prefill_tokens < len(prompt) - 16, name  # it went on from the chunks kept
+
+
+class Intermittent(NoDrafter):
+    """Drafts the true continuation only in some stretches of the stream, nothing in between: the
+    engine goes in and out of running plain steps ahead."""
+
+    def __init__(self, prompt, truth, on=(3, 4, 5, 11, 12, 17)):
+        self.oracle, self.start, self.on = OracleDrafter(prompt, truth), len(prompt), set(on)
+
+    def propose(self, history, budget, max_branching=None):
+        if len(history) - self.start not in self.on:
+            return DraftTree.empty()
+        return self.oracle.propose(history, budget, max_branching)
+
+
+def test_plain_steps_run_ahead_and_stay_exact(family):
+    """A plain step starting the next one before its token is read (the GPU's default, forced on
+    here): the same tokens as mlx-lm, through drafters that go quiet and speak again, an EOS or
+    a caller that stops in the middle (the step started past it is dropped: the next call goes
+    on exactly), and a seeded sampled request gives the same text as without."""
+    name, model = family
+    truth = reference(model, PROMPT, N)
+    drafters = {"none": NoDrafter(), "intermittent": Intermittent(PROMPT, truth),
+                "random-0": RandomTreeDrafter(PROMPT, truth, seed=0),
+                "wrong": WrongDrafter(lambda h: (truth + [0])[len(h) - len(PROMPT)])}
+    for label, d in drafters.items():
+        out, eng = run(model, d, draft_budget=16, run_ahead=True)
+        assert out == truth, (name, label)
+        assert eng.stats.ahead > 0 or label in ("wrong", "random-0"), (name, label)
+    assert run(model, NoDrafter(), draft_budget=16, run_ahead=True)[1].stats.ahead == N - 1  # all but the first
+    off = run(model, Intermittent(PROMPT, truth), draft_budget=16, run_ahead=False)[1]
+    assert off.stats.ahead == 0, name
+    # EOS: generation stops there; the step already started past it leaves no trace
+    k = next(i for i in range(5, N) if truth[i] not in truth[:i])
+    eng = Engine(model, eos_ids=[truth[k]], drafter=NoDrafter(), context_length=4096, run_ahead=True)
+    got = [t for step in eng.generate(PROMPT, N) for t in step]
+    assert got == truth[:k] and eng.stats.stop_token == truth[k], name
+    assert eng.cache.length == len(eng.cached) and not eng.cache.in_pass, name  # nothing half done
+    eng.eos_ids = set()
+    rest = [t for step in eng.generate(PROMPT + truth[: k + 1], N - k - 1) for t in step]
+    assert rest == truth[k + 1 :], (name, "after EOS")
+    # a caller that stops reading after a few tokens
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, run_ahead=True)
+    steps = eng.generate(PROMPT, N)
+    seen = [next(steps)[0] for _ in range(5)]
+    steps.close()
+    assert seen == truth[:5], name
+    assert eng.cache.length == len(eng.cached) and not eng.cache.in_pass, name
+    rest = [t for step in eng.generate(PROMPT + seen, N - 5) for t in step]
+    assert rest == truth[5:], (name, "after a stop")
+    # sampled: the same draws with and without
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    texts = []
+    for on in (True, False):
+        eng = Engine(model, eos_ids=[], drafter=Intermittent(PROMPT, truth), context_length=4096, run_ahead=on)
+        texts.append([t for step in eng.generate(PROMPT, N, sampling) for t in step])
+    assert texts[0] == texts[1], name
