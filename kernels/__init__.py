@@ -15,6 +15,11 @@ run only inside the engine's verify passes (`verify_pass()`), never in prefill o
 in the same process. CACHEBACK_MLX_KERNELS=0 turns them off, CACHEBACK_MLX_ROWS_ATTENTION=0 the
 attention alone; `cacheback-mlx doctor` shows which run.
 
+`pass_attention` (plain MLX, CUDA, float16/bfloat16): the attention of any other verify pass as MLX's
+own ops rather than cuDNN's kernel, which builds a new plan for every key length, so for nearly
+every pass of a decoding (54-94 ms a pass on an H100 at the default model's size, against 8-13 ms).
+Not a kernel: CACHEBACK_MLX_CUDNN_PASSES=1 gives those passes back to MLX's choice.
+
 Not covered yet (so not exact in float16/bfloat16 on a GPU there): linear layers with a bias (MLX
 runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
 several-row qmm), sliding windows, passes shared by several sequences, Metal.
@@ -29,12 +34,15 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from . import attention as _attention
+from . import plain_attention as _plain_attention
 from . import rows_matmul
 
 ENV = "CACHEBACK_MLX_KERNELS"
 enabled = os.environ.get(ENV, "1") != "0"
 ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
 attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
+CUDNN_ENV = "CACHEBACK_MLX_CUDNN_PASSES"
+cudnn_passes = os.environ.get(CUDNN_ENV, "0") == "1"  # let MLX give verify passes cuDNN's attention
 _checked: dict = {}  # dtype -> (ok, reason), once per process
 _local = threading.local()
 
@@ -70,29 +78,33 @@ def usable(dtype) -> bool:
     return _checked[dtype][0]
 
 
-VERSION = 1  # part of the verify-cost cache key (costs.cost_path), with what is on
+VERSION = 2  # part of the verify-cost cache key (costs.cost_path), with what is on
 
 
 def cost_key() -> str:
     """What of these changes a pass's cost here ("" where none of them can run: the CPU)."""
     if not on_cuda():
         return ""
-    return f"kernels/{VERSION}/{'on' if enabled else 'off'}/{'rows-attention' if attention_enabled else ''}"
+    return (f"kernels/{VERSION}/{'on' if enabled else 'off'}/{'rows-attention' if attention_enabled else ''}"
+            f"/{'cudnn' if cudnn_passes else 'mlx-ops'}")
 
 
 def describe() -> str:
     """One line for `doctor`."""
-    if not enabled:
-        return f"engine's GPU kernels: off ({ENV}=0)"
+    other = (f"MLX's choice (cuDNN in float16/bfloat16; {CUDNN_ENV}=1)" if cudnn_passes else
+             "MLX's plain ops, not cuDNN (which plans again for every key length)")
     if not on_cuda():
         return "engine's GPU kernels: none on this device (CUDA only so far)"
+    if not enabled:
+        return f"engine's GPU kernels: off ({ENV}=0); verify passes' attention: {other}"
     parts = []
     for dtype in (mx.float16, mx.bfloat16, mx.float32):
         usable(dtype)
         ok, reason = _checked[dtype]
         parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")
     attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
-    return "exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
+    return ("exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
+            + f"; other passes' attention: {other}")
 
 
 @contextmanager
@@ -133,6 +145,16 @@ def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks):
                                      getattr(_local, "real", None))
 
 
+def pass_attention(queries, keys, values, scale, mask, sinks):
+    """A verify pass's attention in float16/bfloat16 on CUDA as MLX's plain ops rather than cuDNN's
+    kernel, which plans again for each new key length (kernels/plain_attention.py); None elsewhere
+    (the caller runs MLX's)."""
+    if (cudnn_passes or sinks is not None or not in_rows_pass() or queries.shape[2] < 2
+            or queries.dtype not in (mx.float16, mx.bfloat16) or not on_cuda()):
+        return None
+    return _plain_attention.attention(queries, keys, values, scale, mask)
+
+
 def attach(model) -> int:
     """Route the model's plain linear layers through exact_rows (kernels/linear.py), and check the
     kernel now for their dtypes rather than in the first pass; returns how many layers."""
@@ -144,4 +166,4 @@ def attach(model) -> int:
     return len(dtypes)
 
 
-__all__ = ["attach", "describe", "exact_rows", "rows_pass", "usable"]
+__all__ = ["attach", "describe", "exact_rows", "pass_attention", "rows_pass", "usable"]

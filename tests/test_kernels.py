@@ -6,7 +6,7 @@ The checks that need CUDA run only where MLX has it."""
 
 from cacheback_mlx import kernels
 from cacheback_mlx.kernels import attention as rows_attention
-from cacheback_mlx.kernels import linear, rows_matmul
+from cacheback_mlx.kernels import linear, plain_attention, rows_matmul
 from cacheback_mlx.positions import TreePass
 
 import mlx.core as mx
@@ -54,6 +54,40 @@ def test_kernels_stay_off_without_cuda():
         assert kernels.exact_rows(x, w) is None
         assert kernels.rows_attention(None, mx.ones((1, 2, 4, 8)), None, None, None, 1.0, "causal", None) is None
     assert "none on this device" in kernels.describe()
+    q = mx.ones((1, 2, 4, 8), dtype=mx.float16)
+    with kernels.rows_pass():
+        assert kernels.pass_attention(q, q, q, 1.0, "causal", None) is None  # MLX's own here
+
+
+@cuda
+def test_half_precision_passes_on_cuda_take_the_plain_attention():
+    q = mx.random.normal((1, 4, 8, 64)).astype(mx.float16)
+    k = mx.random.normal((1, 4, 300, 64)).astype(mx.float16)
+    with kernels.rows_pass():
+        got = kernels.pass_attention(q, k, k, 0.125, "causal", None)
+    assert got is not None and kernels.pass_attention(q, k, k, 0.125, "causal", None) is None  # passes only
+    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_pass_attention_is_mlx_attention_bit_for_bit(dtype):
+    """The composition that replaces cuDNN in CUDA's half-precision verify passes gives the bits of
+    MLX's attention on the CPU (which runs its own composition there): grouped heads, every kind
+    of mask a pass hands it."""
+    T, S, D = 7, 40, 64
+    keep = mx.random.uniform(shape=(T, S), key=mx.random.key(5)) > 0.3
+    keep = mx.concatenate([keep[:, :-1], mx.ones((T, 1), dtype=mx.bool_)], axis=1)  # a row sees a key
+    for heads, kv_heads in ((9, 3), (4, 4), (8, 1)):
+        q, k, v = (mx.random.normal((1, h, n, D), key=mx.random.key(i)).astype(dtype)
+                   for i, (h, n) in enumerate(((heads, T), (kv_heads, S), (kv_heads, S))))
+        masks = {"none": None, "causal": "causal", "bool [T, S]": keep, "bool [1, 1, T, S]": keep[None, None],
+                 "bool per head": mx.broadcast_to(keep, (1, heads, T, S)),
+                 "additive": mx.where(keep, 0.0, -1e4).astype(dtype)}
+        for name, mask in masks.items():
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+            got = plain_attention.attention(q, k, v, 0.125, mask)
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), (dtype, heads, kv_heads, name)
 
 
 def _attention_inputs(rows, cached, seed=0):
