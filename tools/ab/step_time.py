@@ -7,7 +7,9 @@ mlx-lm's plain step and the engine's passes by rows, and what running steps ahea
 1. Per cached length and pass: ms to build the graph (the model called, nothing evaluated), ms
    to run it after (mx.eval), the median of --repeats. mlx-lm's step is its model over one token
    with its own cache; the engine's passes are verify_pass over a chain of R rows and over a tree
-   (half the rows under the root, the rest under its first child).
+   (half the rows under the root, the rest under its first child). "same" repeats each pass at
+   one cached length; "growing" keeps one row of each, so every pass sees one key more, as in
+   decoding (a backend that plans a kernel per shape plans it again for each).
 2. --steps plain steps one after another, tokens per second: mlx-lm's generate_step (which builds
    each step while the one before runs), the engine's steps with run-ahead off (build, run, read
    in turn) and on (engine.Engine.set_run_ahead).
@@ -63,8 +65,8 @@ def pass_table(mx, loaded, cached_lengths, rows_list, repeats):
     from mlx_lm.models.cache import make_prompt_cache
 
     model = loaded.model
-    print("| cached | pass | rows | build ms | run ms | build share |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| cached | pass | rows | length | build ms | run ms | build share |")
+    print("|---:|---|---:|---|---:|---:|---:|")
     for cached in cached_lengths:
         prompt = [(7 * i + 3) % 1000 + 5 for i in range(cached)]
         ref = make_prompt_cache(model)
@@ -76,12 +78,16 @@ def pass_table(mx, loaded, cached_lengths, rows_list, repeats):
                 c.offset -= 1
 
         b, r = build_and_run(mx, lambda: mx.argmax(model(y, cache=ref)[:, -1, :], axis=-1), undo_ref, repeats)
-        print(f"| {cached} | mlx-lm step | 1 | {b:.2f} | {r:.2f} | {b / (b + r):.0%} |")
+        print(f"| {cached} | mlx-lm step | 1 | same | {b:.2f} | {r:.2f} | {b / (b + r):.0%} |")
         cache = ModelCache(model)
         prefill(model, cache, prompt)
+        start = cache.length
 
         def undo():
             cache.finish_pass([], False)
+
+        def keep_one():
+            cache.finish_pass([0], True)
 
         for rows in rows_list:
             kinds = [("chain", DraftTree.chain(list(range(10, 9 + rows))))]
@@ -90,9 +96,11 @@ def pass_table(mx, loaded, cached_lengths, rows_list, repeats):
             for kind, tree in kinds:
                 def one():
                     return mx.argmax(verify_pass(model, cache, [11], tree, rows=rows), axis=-1)
-                b, r = build_and_run(mx, one, undo, repeats)
-                print(f"| {cached} | engine {kind if rows > 1 else 'step'} | {rows} | {b:.2f} | {r:.2f} | "
-                      f"{b / (b + r):.0%} |")
+                for length, after in (("same", undo), ("growing", keep_one)):
+                    b, r = build_and_run(mx, one, after, repeats)
+                    cache.trim(start)
+                    print(f"| {cached} | engine {kind if rows > 1 else 'step'} | {rows} | {length} | {b:.2f} | "
+                          f"{r:.2f} | {b / (b + r):.0%} |")
 
 
 def steps_table(mx, loaded, steps: int, cached: int):
