@@ -231,6 +231,7 @@ class Sizer:
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
         self._offered: DraftTree | None = None  # the last scored tree's candidates, sent or not
         self._plans: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._base: dict[int, tuple[np.ndarray, list]] = {}  # context -> the table's prices, their keys
         self._caps: dict[tuple[int, int], int] = {}
         self.times = PassTimes()
         self._chosen = 0
@@ -256,6 +257,7 @@ class Sizer:
     def _relearn(self) -> None:
         self.times, self.factors = PassTimes(), {}
         self._plans.clear()
+        self._base.clear()
         self._caps.clear()
 
     def prefilled(self, rows: int, context: int, seconds: float) -> None:
@@ -288,6 +290,19 @@ class Sizer:
         run = padded_size(rows, self.cost.buckets)  # a pass runs as its shape bucket, if any
         return self.cost.cost(rows, context) * self.factor(run, context)
 
+    def _prices(self, context: int) -> np.ndarray:
+        """price(max(r, 1), context) for every r up to MAX_ROWS: the table's part kept until the
+        table changes, the learned factors applied afresh (the engine asks for these once every
+        RELEARN passes, on the path of the pass: on a GPU every 0.1 ms of Python counts)."""
+        base = self._base.get(context)
+        if base is None:
+            sizes = [max(r, 1) for r in range(self.MAX_ROWS + 1)]
+            base = self._base[context] = (
+                np.array([self.cost.cost(r, context) for r in sizes]),
+                [PassTimes.key(padded_size(r, self.cost.buckets), context) for r in sizes])
+        table, keys = base
+        return table * np.array([self.factors.get(k, 1.0) for k in keys])
+
     def _plan(self, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cost, rows, price), all indexed by a pass's own row count r: the seconds it costs as
         run, the rows it runs as, and the price of r rows unpadded, at about this context. With
@@ -297,7 +312,7 @@ class Sizer:
         plan = self._plans.get(key)
         if plan is None:
             c = key[0] * self.CONTEXT_STEP
-            raw = np.array([self.price(max(r, 1), c) for r in range(self.MAX_ROWS + 1)])
+            raw = self._prices(c)
             rows = np.arange(self.MAX_ROWS + 1)
             if self.pad:
                 sizes = [s for s in self.cost.sizes if s <= self.MAX_ROWS]

@@ -438,7 +438,10 @@ def doctor(model_spec, drafter, drafter_args):
 
         click.echo(kernels.describe())
     from . import cores
+    from .engine import RUN_AHEAD_ENV, run_ahead_default
 
+    click.echo(f"plain steps start the next before their token is read ({RUN_AHEAD_ENV}): "
+               f"{'on' if run_ahead_default() else 'off'}")
     click.echo(cores.share.describe())
     click.echo(f"draft budget: chosen per pass from the pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")

@@ -5,7 +5,7 @@ sequences at once, slots.py) and knows no particular drafter: any Drafter propos
 which goes through the model in one pass (verify.verify_pass); the longest root path whose tokens
 the model itself picks is accepted, plus the model's own token after it (the bonus); the rest of
 the cache is rolled back (ModelCache.finish_pass); the drafter then learns the accepted tokens.
-A step with an empty draft is a plain one-token decoding step. On a GPU such a step starts the
+A step with an empty draft is a plain one-token decoding step. On Metal such a step starts the
 next plain step over its token before that token is read, as mlx-lm's loop does, so the device
 does not wait while this loop reads it, updates the drafter and builds the next graph
 (`run_ahead`); where the drafter drafts again, the step already started leads the drafted pass.
@@ -51,6 +51,15 @@ def on_gpu() -> bool:
 
 
 RUN_AHEAD_ENV = "CACHEBACK_MLX_RUN_AHEAD"
+
+
+def run_ahead_default() -> bool:
+    """Whether plain steps run ahead by default here (Engine.set_run_ahead): on Metal, unless
+    CACHEBACK_MLX_RUN_AHEAD says 0 or 1."""
+    env = os.environ.get(RUN_AHEAD_ENV, "")
+    return env == "1" if env in ("0", "1") else on_gpu() and mx.metal.is_available()
+
+
 MAX_DRAFT = 63  # the most draft tokens a per-step budget may choose (63 + the root = one GPU bucket)
 
 
@@ -212,13 +221,12 @@ class Engine:
 
     def set_run_ahead(self, on: bool | None = None) -> None:
         """Whether a plain step starts the next one before its token is read (see generate). It
-        pays where building a step's graph costs as much as running it (a GPU: mlx-lm's loop does
-        the same); on the CPU it gains nothing measurable and costs the drafter a pass where it
-        starts drafting again. None: on a GPU, unless CACHEBACK_MLX_RUN_AHEAD says 0 or 1."""
-        if on is None:
-            env = os.environ.get(RUN_AHEAD_ENV, "")
-            on = env == "1" if env in ("0", "1") else on_gpu()
-        self.run_ahead = bool(on)
+        pays where the device runs a step while Python builds the next one, as on Metal (mlx-lm's
+        loop does the same). On MLX's CUDA backend a small model's step is bound by launching its
+        kernels from this thread, and it measured within noise of off (docs/BENCHMARKS.md §15);
+        on the CPU at real sizes it gains nothing measurable. Where it gains nothing it only costs
+        the drafter a pass each time it starts drafting again. None: run_ahead_default()."""
+        self.run_ahead = run_ahead_default() if on is None else bool(on)
 
     def watch(self, fn) -> "callable":
         """Call fn(PassEvent) after every pass from now on (tools and tests that look at what the

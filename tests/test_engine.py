@@ -300,3 +300,20 @@ def test_edited_prompt_refreshes_the_text_before_the_edit(tiny_model):
     edited = PROMPT[:6] + [11, 12]
     list(eng.generate(edited, 2))
     assert rec.calls[:2] == [("learn", PROMPT[:6]), ("observe", [11, 12])]
+
+
+def test_running_ahead_is_off_on_the_cpu_unless_asked(tiny_model, monkeypatch):
+    from cacheback_mlx.engine import RUN_AHEAD_ENV
+
+    monkeypatch.delenv(RUN_AHEAD_ENV, raising=False)
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert not eng.run_ahead
+    list(eng.generate(PROMPT, 8))
+    assert eng.stats.ahead == 0
+    monkeypatch.setenv(RUN_AHEAD_ENV, "1")
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert [t for s in eng.generate(PROMPT, 8) for t in s] == run(tiny_model, NoDrafter(), n=8)[0]
+    assert eng.stats.ahead == 7
+    eng.set_run_ahead(False)
+    list(eng.generate(PROMPT + [1], 4))
+    assert eng.stats.ahead == 0

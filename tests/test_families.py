@@ -398,7 +398,7 @@ class Intermittent(NoDrafter):
 
 
 def test_plain_steps_run_ahead_and_stay_exact(family):
-    """A plain step starting the next one before its token is read (the GPU's default, forced on
+    """A plain step starting the next one before its token is read (Metal's default, forced on
     here): the same tokens as mlx-lm, through drafters that go quiet and speak again, an EOS or
     a caller that stops in the middle (the step started past it is dropped: the next call goes
     on exactly), and a seeded sampled request gives the same text as without."""
