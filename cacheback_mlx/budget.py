@@ -211,6 +211,7 @@ class Sizer:
     # a share of the time of the passes chosen, so speculation that never pays (a model that
     # accepts nothing) stays within 1% of plain decoding whatever a row costs
     PROBE_IDLE = 8  # unscored drafters: passes without drafts before one node is sent to learn from
+    DRAFT_SHARE = 0.03  # drafts asked for only to fill a padded pass may take this share of its time
 
     MAX_ROWS = 256
     CONTEXT_STEP = 256  # pass costs are looked up per 256 cached tokens
@@ -239,6 +240,7 @@ class Sizer:
         self._credit = 0.0  # seconds that learning passes may still cost (LEARN_SHARE)
         self.tried = 0  # passes sent at the runner-up size
         self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
+        self.draft_rate: float | None = None  # seconds the drafter takes per draft token asked (recent)
 
     def lane(self) -> Sizer:
         """A sizer for one lane of a batch (batch.py): it learns acceptance into this sizer's
@@ -357,7 +359,8 @@ class Sizer:
     def cap(self, limit: int, context: int) -> int:
         """How many draft tokens to ask the drafter for: about twice what recent passes used
         (a bigger candidate tree costs drafting time every step), at least as many as fill the
-        rows a one-draft pass is padded to, and never past the rows a pass
+        rows a one-draft pass is padded to (as far as drafting them stays under DRAFT_SHARE of
+        that pass, by the drafter's time per draft asked: `drafted`), and never past the rows a pass
         can have before it costs 2x a one-token step: beyond that a pass pays only if more than
         one draft token is expected per extra step's worth of rows, rare outside long exact
         repeats (--draft-budget lowers the cap too)."""
@@ -366,9 +369,19 @@ class Sizer:
         if key not in self._caps:
             vec = self.costs(context)
             self._caps[key] = max([n for n in range(limit + 1) if vec[n + 1] <= 2.0 * vec[1]], default=0)
-        # never fewer than fill the smallest pass with a draft: where 2 rows run as 8, 7 drafts ride free
+        # never fewer than fill the smallest pass with a draft (where 2 rows run as 8, 7 drafts ride
+        # free), unless drafting them costs more than a small share of that pass: on a GPU a pass
+        # of 2 rows may run as 64, and asking a drafter for 63 drafts every pass took ~10% of the time
         fill = self.rows(2, context) - 1
+        if self.draft_rate:
+            fill = min(fill, int(self.DRAFT_SHARE * self.costs(context)[fill + 1] / self.draft_rate))
         return min(self._caps[key], max(4, fill, int(2 * self.used) + 2))
+
+    def drafted(self, asked: int, seconds: float) -> None:
+        """The drafter took `seconds` to propose after being asked for `asked` drafts (cap)."""
+        if asked > 0 and seconds > 0:
+            rate = seconds / asked
+            self.draft_rate = rate if self.draft_rate is None else self.draft_rate + 0.1 * (rate - self.draft_rate)
 
     def choose(self, tree: DraftTree, lead: int, context: int) -> DraftTree:
         """The first n nodes of the tree, n chosen for the most expected tokens per second."""

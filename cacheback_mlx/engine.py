@@ -116,6 +116,8 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
     picks[r] is the model's token at row r (row 0 = root, row i+1 = node i). Returns the accepted
     node indices and the bonus token (the model's token after the last accepted node).
     """
+    if not len(tree):  # a plain step
+        return [], picks[0]
     kids = tree.children()
     path: list[int] = []
     want = picks[0]
@@ -455,6 +457,7 @@ class Engine:
                                                 self.context_length - len(seq.cached) - len(lead) - 1))
                     t0 = time.perf_counter()
                     tree = self.draft(self.drafter, seq.history, budget)
+                    plan.drafted(budget, time.perf_counter() - t0)
                     tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
                     drafts = len(tree) > 0 or size > len(lead)  # worth more than a plain step

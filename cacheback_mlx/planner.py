@@ -5,9 +5,10 @@
 - CostPlanner: every pass takes as many drafts as pay for their rows by the pass cost
   (budget.Sizer over costs.py's table or prior), at most a cap.
 
-The engine calls, per pass: draft_cap (how many drafts to ask the drafter for), plan (the drafts
-to send and the rows the pass runs as, padding included), and after the accept step record (what
-the pass cost and which drafts were accepted); prefilled hears each prefill chunk's time.
+The engine calls, per pass: draft_cap (how many drafts to ask the drafter for), drafted (how long
+the drafter took for them), plan (the drafts to send and the rows the pass runs as, padding
+included), and after the accept step record (what the pass cost and which drafts were accepted);
+prefilled hears each prefill chunk's time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class FixedPlanner:
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
         pass
 
+    def drafted(self, asked: int, seconds: float) -> None:
+        pass
+
 
 class CostPlanner:
     """Each pass takes the drafts that maximise expected tokens per second (Sizer), at most
@@ -69,3 +73,6 @@ class CostPlanner:
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
         self.sizer.prefilled(rows, cached, seconds)
+
+    def drafted(self, asked: int, seconds: float) -> None:
+        self.sizer.drafted(asked, seconds)

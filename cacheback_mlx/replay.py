@@ -75,6 +75,7 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
         cap = limit if sizer is None else min(limit, sizer.cap(limit, len(history)))
         tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
         if sizer is not None:
+            sizer.drafted(cap, time.perf_counter() - t0)  # as the engine reports it
             tree = sizer.choose(tree.truncate(cap), 1, len(history))
             rows = sizer.pass_rows(1 + len(tree), len(history))
             if clock is None:

@@ -47,7 +47,7 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     def is_chain(self) -> bool:
-        return bool(np.all(self.parents == np.arange(-1, len(self) - 1)))
+        return not len(self) or bool(np.all(self.parents == np.arange(-1, len(self) - 1)))
 
     def positions(self, first: int) -> np.ndarray:
         """The position of the token each row of a pass over this tree chooses: the root's row the
@@ -83,6 +83,8 @@ class DraftTree:
     def keep_valid(self, vocab_size: int) -> "DraftTree":
         """Drop nodes whose token is not a valid id, with their subtrees (a drafter's table may
         come from another tokenizer; an out-of-range id must never reach the embedding)."""
+        if not len(self):
+            return self
         ok = (self.tokens >= 0) & (self.tokens < vocab_size)
         if ok.all():
             return self

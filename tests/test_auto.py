@@ -83,6 +83,30 @@ def test_sizer_caps_and_sizes_trees_from_a_fake_cost_table():
     assert len(sizer.choose(hopeless, 1, 100)) == 0
 
 
+def test_drafts_asked_only_to_fill_a_padded_pass_stay_a_small_share_of_it():
+    """A GPU-like table (a pass of 2-64 rows ~1.6x a step, 64 the cheapest): a pass with one draft
+    runs as 64 rows, so without knowing what drafting costs the drafter is asked for 63 drafts;
+    once it is known, only as many as take DRAFT_SHARE of the pass (drafts that are used still
+    raise the cap, and a cheap drafter is still asked for all 63)."""
+    flat = {1: 0.007, 2: 0.0120, 4: 0.0117, 8: 0.0116, 16: 0.0113, 32: 0.0119, 64: 0.0110}
+    sizer = Sizer(CostTable({256: flat}), learn=False)
+    hopeless = DraftTree([1, 2], [-1, 0], np.full(2, 0.001))
+    for _ in range(60):
+        assert len(sizer.choose(hopeless, 1, 0)) == 0
+    assert sizer.rows(2, 0) == 64 and sizer.cap(63, 0) == 63
+    sizer.drafted(63, 63 * 40e-6)  # 40 us a draft asked: 63 drafts take 23% of a 64-row pass
+    assert sizer.cap(63, 0) == int(0.03 * 0.0110 / 40e-6) == 8
+    sizer.drafted(8, 8 * 40e-6)
+    assert sizer.cap(63, 0) == 8
+    cheap = Sizer(CostTable({256: flat}), learn=False)
+    cheap.drafted(63, 63 * 1e-6)
+    assert cheap.cap(63, 0) == 63
+    sure = DraftTree(np.arange(40), np.arange(-1, 39), np.ones(40))
+    for _ in range(40):
+        sizer.choose(sure, 1, 0)
+    assert sizer.cap(63, 0) > 40  # drafts that are sent: twice what recent passes used
+
+
 # Pass seconds by rows as measured on this project's CPU at 256 cached tokens (x one row): the
 # BLAS tiles 4, 8 and 16 rows exactly, so 8 rows cost less than 5, 6 or 7.
 CPU_CURVE = {1: 1.0, 2: 1.14, 3: 1.18, 4: 1.14, 5: 1.36, 6: 1.46, 7: 1.28, 8: 1.12, 9: 1.22, 10: 1.37,
