@@ -162,3 +162,15 @@ def test_requests_in_one_batch_are_lossless_on_the_default_model(default_model, 
     lanes = batch.run([dict(prompt=ids, max_tokens=N // 2) for ids, _ in runs])
     assert [lane.tokens for lane in lanes] == [truth[: N // 2] for _, truth in runs]
     assert lanes[-1].stats.prefill_tokens == 0
+
+
+def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, plain_outputs):
+    """Metal's default, forced on: plain steps start the next before their token is read, with
+    `none` and with `auto` going quiet and drafting again."""
+    for name in ("none", "auto"):
+        drafter = make_drafter(name, **({"persist": False} if name == "auto" else {}))
+        eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16,
+                     run_ahead=True)
+        for mode, (ids, truth) in plain_outputs.items():
+            assert [t for step in eng.generate(ids, N) for t in step] == truth, (name, mode)
+            assert eng.stats.ahead > 0 or name == "auto", mode  # auto may draft at every pass here
