@@ -187,6 +187,11 @@ class Engine:
 
     prefill_chunk: int | None = None  # tokens a prefill pass takes at most (None: per backend);
     # a stop is heard between chunks
+    # plain steps run ahead only after this many passes in a row without drafts: each time the
+    # drafter drafts again, the step already started costs it a pass. On recorded prompts with
+    # `auto` and a GPU-like cost table, running ahead at once cost 18% more passes, after 4 quiet
+    # passes 2.5%, after 8 0.2%, still running ahead 27% as many steps (`python -m tools.ab.run_ahead`)
+    RUN_AHEAD_QUIET = 8
 
     def __init__(self, model, eos_ids: Seq[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
@@ -226,8 +231,9 @@ class Engine:
         pays where the device runs a step while Python builds the next one, as on Metal (mlx-lm's
         loop does the same). On MLX's CUDA backend a small model's step is bound by launching its
         kernels from this thread, and it measured within noise of off (docs/BENCHMARKS.md §15);
-        on the CPU at real sizes it gains nothing measurable. Where it gains nothing it only costs
-        the drafter a pass each time it starts drafting again. None: run_ahead_default()."""
+        on the CPU at real sizes it gains nothing measurable. It starts after RUN_AHEAD_QUIET
+        plain passes in a row, so it costs the drafter little where it gains nothing.
+        None: run_ahead_default()."""
         self.run_ahead = run_ahead_default() if on is None else bool(on)
 
     def watch(self, fn) -> "callable":
@@ -446,6 +452,7 @@ class Engine:
             self._start(prompt, context, plan.lead_tail, slot, stop)
             seq = self.seq  # the sequence this request runs in (its slot's)
             ahead = None  # a plain step already running over seq.lead: its logits
+            quiet = 0  # passes in a row the drafter had nothing worth sending for
             t_start = time.perf_counter()
             try:
                 while stats.tokens < max_tokens:
@@ -461,6 +468,7 @@ class Engine:
                     tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
                     drafts = len(tree) > 0 or size > len(lead)  # worth more than a plain step
+                    quiet = 0 if drafts else quiet + 1
                     # verify: lead + draft in one pass (or the plain step over lead that already runs)
                     t0 = time.perf_counter()
                     if ahead is not None:
@@ -468,12 +476,12 @@ class Engine:
                     else:
                         logits = self._verify(lead, tree, size)
                     picks = pick(logits, len(seq.cached) + len(lead), tree)
-                    if (ahead_ok and not drafts and size == len(lead) == 1 and len(tree) == 0
+                    if (ahead_ok and quiet >= self.RUN_AHEAD_QUIET and size == len(lead) == 1 and len(tree) == 0
                             and stats.tokens + 1 < max_tokens):
-                        # a plain step: keep its row, and start the next plain step over its token
-                        # before that token is read, so the device never waits for this loop (as
-                        # in mlx-lm's). The drafter speaks again at the next token: if it drafts
-                        # there, that step's token leads the drafted pass after it.
+                        # a plain step after quiet ones: keep its row, and start the next plain step
+                        # over its token before that token is read, so the device never waits for
+                        # this loop (as in mlx-lm's). The drafter speaks again at the next token:
+                        # if it drafts there, that step's token leads the drafted pass after it.
                         mx.async_eval(picks)
                         self._finish([0], True)
                         ahead = step_pass(self.model, seq.cache, picks)

@@ -312,8 +312,8 @@ def test_running_ahead_is_off_on_the_cpu_unless_asked(tiny_model, monkeypatch):
     assert eng.stats.ahead == 0
     monkeypatch.setenv(RUN_AHEAD_ENV, "1")
     eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
-    assert [t for s in eng.generate(PROMPT, 8) for t in s] == run(tiny_model, NoDrafter(), n=8)[0]
-    assert eng.stats.ahead == 7
+    assert [t for s in eng.generate(PROMPT, 16) for t in s] == run(tiny_model, NoDrafter(), n=16)[0]
+    assert eng.stats.ahead == 16 - Engine.RUN_AHEAD_QUIET  # from the RUN_AHEAD_QUIET-th quiet pass on
     eng.set_run_ahead(False)
     list(eng.generate(PROMPT + [1], 4))
     assert eng.stats.ahead == 0

@@ -388,13 +388,21 @@ class Intermittent(NoDrafter):
     """Drafts the true continuation only in some stretches of the stream, nothing in between: the
     engine goes in and out of running plain steps ahead."""
 
-    def __init__(self, prompt, truth, on=(3, 4, 5, 11, 12, 17)):
+    def __init__(self, prompt, truth, on=(3, 4, 5, 11, 12, 17), length=None):
         self.oracle, self.start, self.on = OracleDrafter(prompt, truth), len(prompt), set(on)
+        self.length = length  # drafts at most this many tokens (None: the budget)
 
     def propose(self, history, budget, max_branching=None):
         if len(history) - self.start not in self.on:
             return DraftTree.empty()
-        return self.oracle.propose(history, budget, max_branching)
+        return self.oracle.propose(history, min(budget, self.length or budget), max_branching)
+
+
+class Eager(Engine):
+    """Runs plain steps ahead from the first quiet pass (the default waits for RUN_AHEAD_QUIET),
+    so every way in and out of running ahead comes up in a short stream."""
+
+    RUN_AHEAD_QUIET = 1
 
 
 def test_plain_steps_run_ahead_and_stay_exact(family):
@@ -404,27 +412,37 @@ def test_plain_steps_run_ahead_and_stay_exact(family):
     on exactly), and a seeded sampled request gives the same text as without."""
     name, model = family
     truth = reference(model, PROMPT, N)
+
+    def eager(drafter, eos=(), on=True):
+        return Eager(model, eos_ids=list(eos), drafter=drafter, context_length=4096, draft_budget=16, run_ahead=on)
+
     drafters = {"none": NoDrafter(), "intermittent": Intermittent(PROMPT, truth),
                 "random-0": RandomTreeDrafter(PROMPT, truth, seed=0),
                 "wrong": WrongDrafter(lambda h: (truth + [0])[len(h) - len(PROMPT)])}
     for label, d in drafters.items():
-        out, eng = run(model, d, draft_budget=16, run_ahead=True)
+        out, eng = run(model, d, engine=eager(d))
         assert out == truth, (name, label)
         assert eng.stats.ahead > 0 or label in ("wrong", "random-0"), (name, label)
-    assert run(model, NoDrafter(), draft_budget=16, run_ahead=True)[1].stats.ahead == N - 1  # all but the first
-    off = run(model, Intermittent(PROMPT, truth), draft_budget=16, run_ahead=False)[1]
-    assert off.stats.ahead == 0, name
+    assert run(model, NoDrafter(), engine=eager(NoDrafter()))[1].stats.ahead == N - 1  # all but the first
+    assert run(model, Intermittent(PROMPT, truth), engine=eager(NoDrafter(), on=False))[1].stats.ahead == 0
+    # the default waits for RUN_AHEAD_QUIET quiet passes: ahead only at the end of the long quiet
+    # stretch (tokens 7 to 6 + q), and the drafter speaks again while that step runs
+    q = Engine.RUN_AHEAD_QUIET
+    late = Intermittent(PROMPT, truth, on=(3, 5, 7 + q, 8 + q), length=1)  # a pass per 1 or 2 tokens
+    out, eng = run(model, late, draft_budget=16, run_ahead=True)
+    assert out == truth and 0 < eng.stats.ahead <= 2, (name, eng.stats.ahead)
+    assert run(model, NoDrafter(), draft_budget=16, run_ahead=True)[1].stats.ahead == N - q, name
     # EOS: generation stops there; the step already started past it leaves no trace
     k = next(i for i in range(5, N) if truth[i] not in truth[:i])
-    eng = Engine(model, eos_ids=[truth[k]], drafter=NoDrafter(), context_length=4096, run_ahead=True)
+    eng = eager(NoDrafter(), eos=[truth[k]])
     got = [t for step in eng.generate(PROMPT, N) for t in step]
-    assert got == truth[:k] and eng.stats.stop_token == truth[k], name
+    assert got == truth[:k] and eng.stats.stop_token == truth[k] and eng.stats.ahead, name
     assert eng.cache.length == len(eng.cached) and not eng.cache.in_pass, name  # nothing half done
     eng.eos_ids = set()
     rest = [t for step in eng.generate(PROMPT + truth[: k + 1], N - k - 1) for t in step]
     assert rest == truth[k + 1 :], (name, "after EOS")
     # a caller that stops reading after a few tokens
-    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, run_ahead=True)
+    eng = eager(NoDrafter())
     steps = eng.generate(PROMPT, N)
     seen = [next(steps)[0] for _ in range(5)]
     steps.close()
@@ -436,6 +454,6 @@ def test_plain_steps_run_ahead_and_stay_exact(family):
     sampling = SamplingParams(temperature=0.9, seed=11)
     texts = []
     for on in (True, False):
-        eng = Engine(model, eos_ids=[], drafter=Intermittent(PROMPT, truth), context_length=4096, run_ahead=on)
+        eng = eager(Intermittent(PROMPT, truth), on=on)
         texts.append([t for step in eng.generate(PROMPT, N, sampling) for t in step])
     assert texts[0] == texts[1], name
