@@ -16,8 +16,8 @@ from . import exact_rows, in_rows_pass  # (kernels/__init__ imports this file on
 
 class RowsLinear(nn.Linear):
     """nn.Linear without a bias. Outside a verify pass (a plain step: every linear layer of every
-    step) it costs one call more than nn.Linear: on a GPU a small model's step is bound by building
-    its graph, so every Python call there counts."""
+    step) it costs one call more than nn.Linear: on a GPU a small model's step is bound by the host
+    (building its graph, launching its kernels), so every Python call there counts."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if in_rows_pass():
