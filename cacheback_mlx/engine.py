@@ -476,7 +476,7 @@ class Engine:
                     else:
                         logits = self._verify(lead, tree, size)
                     picks = pick(logits, len(seq.cached) + len(lead), tree)
-                    if (ahead_ok and quiet >= self.RUN_AHEAD_QUIET and size == len(lead) == 1 and len(tree) == 0
+                    if (ahead_ok and quiet >= self.RUN_AHEAD_QUIET and size == len(lead) == 1  # (no drafts)
                             and stats.tokens + 1 < max_tokens):
                         # a plain step after quiet ones: keep its row, and start the next plain step
                         # over its token before that token is read, so the device never waits for
