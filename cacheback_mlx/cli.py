@@ -475,6 +475,7 @@ def doctor(model_spec, drafter, drafter_args):
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
+        click.echo(f"prompt: {info['prompt']}")
         from .sharing import describe, sharing
 
         click.echo(f"several requests at once (serve --parallel): "

@@ -41,13 +41,25 @@ from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix
-from .verify import PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass
+from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def prompt_as_mlx_lm_default(model) -> bool:
+    """Whether a prompt goes through the model as mlx-lm's generate_step puts it (chunks of 2,048
+    from the first uncached token, the last token alone in the first step) rather than in the
+    engine's own layout (smaller chunks; up to LEAD_TAIL uncached tokens in the first pass, with
+    its drafts): on a GPU in float16/bfloat16, where a product's bits depend on how many rows it
+    runs, so that only mlx-lm's layout leaves mlx-lm's bits in the caches. On the CPU, and in
+    float32, the layout changes no token (tests/test_families.py against generate_step)."""
+    from .footprint import compute_dtype
+
+    return on_gpu() and compute_dtype(model) in (mx.float16, mx.bfloat16)
 
 
 RUN_AHEAD_ENV = "CACHEBACK_MLX_RUN_AHEAD"
@@ -225,6 +237,12 @@ class Engine:
         self.stats = Stats()
         self.watchers: list = []  # called with each PassEvent (watch)
         self.set_run_ahead(run_ahead)
+        self.set_prompt_layout()
+
+    def set_prompt_layout(self, as_mlx_lm: bool | None = None) -> None:
+        """Put prompts through the model as mlx-lm does (True) or in the engine's own layout
+        (False); None: prompt_as_mlx_lm_default."""
+        self.prompt_as_mlx_lm = prompt_as_mlx_lm_default(self.model) if as_mlx_lm is None else bool(as_mlx_lm)
 
     def set_run_ahead(self, on: bool | None = None) -> None:
         """Whether a plain step starts the next one before its token is read (see generate). It
@@ -277,8 +295,11 @@ class Engine:
     def describe(self) -> dict:
         """What this model gets: its layer caches by kind and the verify path (`doctor --model`)."""
         verify = f"chain drafts only ({self.chain_reason})" if self.chain_reason else "draft trees"
+        prompt = ("as mlx-lm's generate_step puts it (chunks of 2,048, the last token alone), "
+                  "for its bits in half precision on a GPU" if self.prompt_as_mlx_lm else
+                  "the engine's layout (smaller chunks; a short tail shares the first pass)")
         return {"family": self.seq.cache.family, "caches": self.seq.cache.describe(), "verify": verify,
-                "shape buckets": list(self.buckets) if self.buckets else "off"}
+                "shape buckets": list(self.buckets) if self.buckets else "off", "prompt": prompt}
 
     def set_drafter(self, drafter: Drafter) -> None:
         """Switch drafters; the new one learns the current sequence so it can draft at once."""
@@ -349,7 +370,11 @@ class Engine:
 
     def chunk_rule(self):
         """Tokens a prefill chunk takes: a number, or a function of the cached tokens."""
-        return self.prefill_chunk or (PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk)
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        if self.prompt_as_mlx_lm:
+            return MLX_LM_PREFILL_CHUNK
+        return PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk
 
     def _prefill(self, tokens: list[int], stop=None) -> int:
         chunk = self.chunk_rule()
@@ -449,7 +474,7 @@ class Engine:
         plan = self.planner
         ahead_ok = self.run_ahead and self.peers is None and forced is None  # see `ahead` below
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
-            self._start(prompt, context, plan.lead_tail, slot, stop)
+            self._start(prompt, context, 1 if self.prompt_as_mlx_lm else plan.lead_tail, slot, stop)
             seq = self.seq  # the sequence this request runs in (its slot's)
             ahead = None  # a plain step already running over seq.lead: its logits
             quiet = 0  # passes in a row the drafter had nothing worth sending for

@@ -86,6 +86,16 @@ def param_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
+def compute_dtype(model) -> mx.Dtype:
+    """The float dtype most of the model's parameter bytes are in (a quantized layer's scales
+    for its weight): the dtype its products round in."""
+    by: dict = {}
+    for _, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating):
+            by[a.dtype] = by.get(a.dtype, 0) + a.nbytes
+    return max(by, key=by.get) if by else mx.float32
+
+
 def dequantized_bytes(model, dtype: mx.Dtype) -> int:
     """Bytes of the model once its quantized layers are dequantized and every float parameter
     is cast to `dtype`."""

@@ -88,6 +88,7 @@ def step_pass(model, cache: ModelCache, token: mx.array) -> mx.array:
 
 
 PREFILL_CHUNK = 512
+MLX_LM_PREFILL_CHUNK = 2048  # mlx_lm.generate.generate_step's prefill_step_size
 
 
 def cpu_prefill_chunk(cached: int) -> int:

@@ -22,7 +22,9 @@ Not a kernel: CACHEBACK_MLX_CUDNN_PASSES=1 gives those passes back to MLX's choi
 
 Not covered yet (so not exact in float16/bfloat16 on a GPU there): linear layers with a bias (MLX
 runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
-several-row qmm), sliding windows, passes shared by several sequences, Metal.
+several-row qmm), sliding windows, passes shared by several sequences, Metal. The prompt goes
+through the model as mlx-lm's generate_step puts it in half precision on a GPU
+(engine.prompt_as_mlx_lm_default), so that the caches hold mlx-lm's bits before the first pass.
 """
 from __future__ import annotations
 

@@ -317,3 +317,42 @@ def test_running_ahead_is_off_on_the_cpu_unless_asked(tiny_model, monkeypatch):
     eng.set_run_ahead(False)
     list(eng.generate(PROMPT + [1], 4))
     assert eng.stats.ahead == 0
+
+
+def test_half_precision_on_a_gpu_feeds_the_prompt_as_mlx_lm_does(monkeypatch):
+    """Where a product's bits depend on how many rows it runs (a GPU in float16/bfloat16), only
+    mlx-lm's own prompt layout leaves its bits in the caches: there the engine makes the very
+    calls generate_step makes (chunks of 2,048 from the first uncached token, the last prompt
+    token alone), then one-row steps for a pass without drafts. Checked by the calls' rows on a
+    float16 model with that layout set (the CPU's default keeps the engine's own layout, whose
+    calls differ), token for token equal to generate_step."""
+    from cacheback_mlx.footprint import compute_dtype
+
+    import zoo
+
+    model = zoo.tiny_model("llama")
+    model.set_dtype(mx.float16)
+    assert compute_dtype(model) == mx.float16
+    prompt = [(13 * i + 5) % 97 + 1 for i in range(2100)]
+    rows = []
+    cls, call = type(model), type(model).__call__
+
+    def recording(self, inputs, *args, **kwargs):
+        rows.append(int(inputs.shape[1]))
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", recording)
+    truth = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6)]
+    theirs = rows[:]
+    assert theirs[:3] == [2048, 2100 - 2048 - 1, 1], theirs
+    layouts = {}
+    for as_mlx_lm in (False, True):
+        eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+        assert not eng.prompt_as_mlx_lm  # on the CPU the engine's own layout by default
+        eng.set_prompt_layout(as_mlx_lm)
+        rows.clear()
+        out = [t for step in eng.generate(prompt, 6) for t in step]
+        assert out == truth, as_mlx_lm
+        layouts[as_mlx_lm] = rows[:]
+    assert layouts[True] == theirs[: len(layouts[True])] and len(layouts[True]) == 2 + 6, layouts[True]
+    assert layouts[False][0] < 2048  # the engine's own chunks: its calls are not mlx-lm's
