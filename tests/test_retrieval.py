@@ -146,6 +146,29 @@ def test_ssd_persists_across_runs_and_sets_corrupt_files_aside(tmp_path):
     assert len(broken.propose([1, 2], 4)) == 0
 
 
+def test_ssd_drafters_on_one_store_draft_from_what_each_served(tmp_path, monkeypatch):
+    """A server's lanes each run a drafter of their own: what one lane served is drafted from in
+    every other as soon as its request ends (not only after the other's own next request), and
+    appends that arrive while the index is rebuilt all reach it."""
+    a, b = SsdDrafter(path=tmp_path / "s"), SsdDrafter(path=tmp_path / "s")
+    a.observe([5, 6, 7, 8, 9])
+    a.end_request()
+    b.wait()
+    b.observe([1, 5, 6])
+    assert list(b.propose([1, 5, 6], 4).tokens[:3]) == [7, 8, 9]
+    import cacheback_mlx.drafters.ssd as ssd
+
+    real = ssd.SuffixIndex
+    monkeypatch.setattr(ssd, "SuffixIndex", lambda buf: (time.sleep(0.02), real(buf))[1])  # appends overtake it
+    for i in range(30):
+        a.observe([100 + i, 200 + i, 300 + i])
+        a.end_request()
+    b.wait()
+    assert [list(b.propose([100 + i, 200 + i], 2).tokens[:1]) for i in range(30)] == [[300 + i] for i in range(30)]
+    alone = SsdDrafter(path=tmp_path / "s", persist=False)  # in memory: a buffer of its own
+    assert len(alone.buffer) == 0 and len(alone.propose([1, 5, 6], 4)) == 0
+
+
 def test_ssd_stores_are_per_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     a = SsdDrafter(fingerprint="a" * 40)
