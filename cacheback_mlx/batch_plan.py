@@ -94,24 +94,27 @@ def share_side_by_side(offers: list[tuple[int, np.ndarray]], costs: np.ndarray |
     return [min(len(s), width - lead) for lead, s in offers]
 
 
-def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None) -> list[int]:
+def share(offers: list[tuple[int, np.ndarray]], costs: np.ndarray | None,
+          weights: list[float] | None = None) -> list[int]:
     """How many of its drafts each lane sends: offers are (lead rows, the drafts' chances of
     acceptance, best first) per lane. Every draft of every lane competes for the pass's rows:
     the count taken is the one with the most expected tokens per second of the whole pass, by
-    `costs` (LaneCosts.costs: seconds by the pass's rows in all). Without them (a fixed budget)
-    every lane sends all it offered."""
+    `costs` (LaneCosts.costs: seconds by the pass's rows in all); `weights`: what an expected
+    token of each lane is worth (Batch.lane_weights; None: level). Without costs (a fixed
+    budget) every lane sends all it offered."""
     if costs is None:
         return [len(s) for _, s in offers]
+    w = [1.0] * len(offers) if weights is None else [float(x) for x in weights]
     base = sum(lead for lead, _ in offers)
-    heap = [(-float(s[0]), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
+    heap = [(-w[i] * min(max(float(s[0]), 0.0), 1.0), i, 0) for i, (_, s) in enumerate(offers) if len(s)]
     heapq.heapify(heap)
-    order, expected = [], [float(len(offers))]
+    order, expected = [], [sum(w)]
     while heap and base + len(order) < len(costs) - 1:
         neg, i, j = heapq.heappop(heap)
         order.append(i)
-        expected.append(expected[-1] + min(max(-neg, 0.0), 1.0))
+        expected.append(expected[-1] - neg)
         if j + 1 < len(offers[i][1]):
-            heapq.heappush(heap, (-float(offers[i][1][j + 1]), i, j + 1))
+            heapq.heappush(heap, (-w[i] * min(max(float(offers[i][1][j + 1]), 0.0), 1.0), i, j + 1))
     k = int(np.argmax(np.array(expected) / costs[base : base + len(expected)]))
     counts = [0] * len(offers)
     for i in order[:k]:

@@ -225,6 +225,17 @@ def test_rows_go_to_the_drafts_likeliest_to_pay_across_lanes():
     assert share([(1, np.full(7, 0.05))], tiled) == [7]
 
 
+def test_a_lane_worth_more_a_token_keeps_more_of_its_drafts():
+    """Lanes weighed by what their tokens are worth (Batch.lane_weights): of two lanes with the
+    same drafts, the one weighed higher gets the rows; level weights share them as no weights do."""
+    costs = 1.0 + 0.2 * np.arange(Sizer.MAX_ROWS + 1)
+    same = np.array([0.6, 0.5, 0.4, 0.3])
+    level = share([(1, same), (1, same)], costs)
+    assert level == share([(1, same), (1, same)], costs, [3.0, 3.0]) and level[0] == level[1] > 0
+    a, b = share([(1, same), (1, same)], costs, [4.0, 1.0])
+    assert a > level[0] and b < level[1], (a, b, level)
+
+
 def test_lanes_side_by_side_take_the_width_with_the_most_tokens_a_second():
     """Every lane of a side-by-side pass is as wide as the widest: a width w costs lanes x w rows."""
     sure, unsure = np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.05, 0.02])
