@@ -229,7 +229,7 @@ class Batch:
         """The prefilling lane with the fewest tokens left and its next chunk; first, a lane whose
         prompt another lane's caches now hold more of (several completions of one prompt) copies
         that instead (_copy_prefix), and one that then holds it all waits for the next pass."""
-        rule = self.engine.chunk_rule()
+        rule = self.engine.chunk_rule(beside_others=True)
         for lane in sorted((lane for lane in lanes if lane.prefilling), key=lambda lane: len(lane.pending)):
             seq = lane.seq
             held = len(seq.cached)

@@ -368,11 +368,13 @@ class Engine:
         self.planner.prefilled(rows, cached, seconds)  # a point of the pass cost's prior (costs.PriorCost)
         self._ran(PassEvent("prefill", rows, cached, seconds))
 
-    def chunk_rule(self):
-        """Tokens a prefill chunk takes: a number, or a function of the cached tokens."""
+    def chunk_rule(self, beside_others: bool = False):
+        """Tokens a prefill chunk takes: a number, or a function of the cached tokens.
+        `beside_others`: a chunk of a request that shares passes with others (batch.py), whose
+        tokens no prompt layout keeps exact, so the engine's own chunks."""
         if self.prefill_chunk:
             return self.prefill_chunk
-        if self.prompt_as_mlx_lm:
+        if self.prompt_as_mlx_lm and not beside_others:
             return MLX_LM_PREFILL_CHUNK
         return PREFILL_CHUNK if on_gpu() else cpu_prefill_chunk
 

@@ -356,3 +356,6 @@ def test_half_precision_on_a_gpu_feeds_the_prompt_as_mlx_lm_does(monkeypatch):
         layouts[as_mlx_lm] = rows[:]
     assert layouts[True] == theirs[: len(layouts[True])] and len(layouts[True]) == 2 + 6, layouts[True]
     assert layouts[False][0] < 2048  # the engine's own chunks: its calls are not mlx-lm's
+    # a request sharing passes with others (a server's lanes) is not exact in any layout: it
+    # keeps the engine's chunks, which hold the other lanes' passes up less
+    assert eng.chunk_rule() == 2048 and eng.chunk_rule(beside_others=True) != 2048
