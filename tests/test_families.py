@@ -384,6 +384,27 @@ def test_a_prefill_stopped_between_chunks_resumes_exactly(family, monkeypatch):
     assert eng.stats.prefill_tokens < len(prompt) - 16, name  # it went on from the chunks kept
 
 
+def test_the_prompt_as_mlx_lm_lays_it_out_equals_mlx_lm(family, monkeypatch):
+    """The layout a GPU in half precision gets (engine.prompt_as_mlx_lm_default: generate_step's
+    chunks, the last prompt token alone in the first pass), here with chunks of 16 so that a
+    short prompt takes several: token for token mlx-lm's greedy decoding on every family, with
+    no drafts and with random trees."""
+    from cacheback_mlx import engine as engine_module
+
+    name, model = family
+    monkeypatch.setattr(engine_module, "MLX_LM_PREFILL_CHUNK", 16)
+    prompt = [(17 * i + 2) % 97 + 1 for i in range(90)]
+    truth = reference(model, prompt, 12)
+    for label, d in {"none": NoDrafter(), "random": RandomTreeDrafter(prompt, truth, seed=12)}.items():
+        eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=8)
+        eng.set_prompt_layout(True)
+        chunks = []
+        eng.watch(lambda e: chunks.append(e.rows) if e.kind == "prefill" else None)
+        out, _ = run(model, d, prompt=prompt, n=12, engine=eng)
+        assert out == truth, (name, label)
+        assert chunks == [16] * 5 + [9], (name, label, chunks)  # all but the last token, as generate_step
+
+
 class Intermittent(NoDrafter):
     """Drafts the true continuation only in some stretches of the stream, nothing in between: the
     engine goes in and out of running plain steps ahead."""
