@@ -165,6 +165,11 @@ def test_ssd_drafters_on_one_store_draft_from_what_each_served(tmp_path, monkeyp
         a.end_request()
     b.wait()
     assert [list(b.propose([100 + i, 200 + i], 2).tokens[:1]) for i in range(30)] == [[300 + i] for i in range(30)]
+    monkeypatch.setattr(ssd, "SuffixIndex", lambda buf: 1 / 0)  # an index that fails: logged, and
+    a.observe([7, 7])  # waiting for it does not hang
+    a.end_request()
+    b.wait()
+    assert list(b.propose([129, 229], 2).tokens[:1]) == [329]  # the last index stays
     alone = SsdDrafter(path=tmp_path / "s", persist=False)  # in memory: a buffer of its own
     assert len(alone.buffer) == 0 and len(alone.propose([1, 5, 6], 4)) == 0
 

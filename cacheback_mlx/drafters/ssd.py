@@ -103,15 +103,20 @@ class SharedBuffer:
         thread.start()
 
     def _rebuild(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if not self._dirty:
+                        self._thread = None
+                        return
+                    self._dirty, buf = False, self.buffer
+                index = SuffixIndex(buf)
+                with self._lock:
+                    self.index = index
+        except Exception:  # the last index stays; the next append tries again
+            log.exception("ssd: indexing the buffer failed")
             with self._lock:
-                if not self._dirty:
-                    self._thread = None
-                    return
-                self._dirty, buf = False, self.buffer
-            index = SuffixIndex(buf)
-            with self._lock:
-                self.index = index
+                self._thread = None
 
     def wait(self) -> None:
         """Block until the index covers the whole buffer."""
