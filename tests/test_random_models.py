@@ -13,6 +13,7 @@ from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tokenizer import vocab_fingerprint
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -222,8 +223,19 @@ def test_doctor_shows_shape_bytes_and_caches(monkeypatch):
     assert "hidden 2880, layers 2 of 24, heads 64, kv heads 8, experts 4 of 32 active, vocab 49280" in out
     assert "4-bit (group 64), 8-bit (group 64)" in out and "read per decode step" in out  # routers at 8 bits
     assert "RotatingKVCache" in out or "window=128" in out, out
+    assert "prompt: the engine's layout" in out  # float32 on the CPU (half precision on a GPU: mlx-lm's)
     r = CliRunner().invoke(main, ["doctor", "--model", "random:nope"])
     assert r.exit_code == 1 and "unknown random model 'nope'" in r.output
+
+
+def test_the_compute_dtype_of_a_quantized_model_is_its_scales():
+    """What the engine's prompt layout goes by (engine.prompt_as_mlx_lm_default): a quantized
+    model rounds its products in its scales' dtype, whatever its packed weights hold."""
+    model = load(CASES["llama-3.1-8b"]).model
+    assert footprint.compute_dtype(model) == mx.float32
+    half = nn.QuantizedLinear(64, 64, group_size=64, bits=4)
+    half.set_dtype(mx.bfloat16)
+    assert half.weight.dtype == mx.uint32 and footprint.compute_dtype(half) == mx.bfloat16
 
 
 def test_bytes_per_step_counts_active_experts_and_one_embedding_row():
