@@ -174,3 +174,18 @@ def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, 
         for mode, (ids, truth) in plain_outputs.items():
             assert [t for step in eng.generate(ids, N) for t in step] == truth, (name, mode)
             assert eng.stats.ahead > 0 or name == "auto", mode  # auto may draft at every pass here
+
+
+def test_the_prompt_as_mlx_lm_lays_it_out_is_lossless_on_the_default_model(default_model, plain_outputs):
+    """A GPU's half-precision default, forced on: generate_step's prefill chunks and the last
+    prompt token alone in the first pass, with `none` and `auto`."""
+    for name in ("none", "auto"):
+        drafter = make_drafter(name, **({"persist": False} if name == "auto" else {}))
+        eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16)
+        eng.set_prompt_layout(True)
+        for mode, (ids, truth) in plain_outputs.items():
+            chunks = []
+            stop = eng.watch(lambda e: chunks.append(e.rows) if e.kind == "prefill" else None)
+            assert [t for step in eng.generate(ids, N) for t in step] == truth, (name, mode)
+            stop()
+            assert chunks == [len(ids) - 1], (name, mode, chunks)  # one chunk, all but the last token
