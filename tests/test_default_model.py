@@ -186,6 +186,6 @@ def test_the_prompt_as_mlx_lm_lays_it_out_is_lossless_on_the_default_model(defau
         for mode, (ids, truth) in plain_outputs.items():
             chunks = []
             stop = eng.watch(lambda e: chunks.append(e.rows) if e.kind == "prefill" else None)
-            assert [t for step in eng.generate(ids, N) for t in step] == truth, (name, mode)
+            assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
             stop()
             assert chunks == [len(ids) - 1], (name, mode, chunks)  # one chunk, all but the last token
