@@ -78,8 +78,11 @@ class _Trie:
         self.root = -1  # the root's token (the last one of the history)
 
     def add(self, parent: int, tokens: Sequence[int], source: str, strength: int, weight: int = 1) -> None:
-        child, evs, kids = self.child, self.ev, self.kids
-        counts = self.count.setdefault(source, {}) if source in RETRIEVED else None
+        if source not in RETRIEVED:
+            self.add_followers(parent, (tokens,), source, strength)
+            return
+        child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
+        counts = self.count.setdefault(source, {})
         node = parent
         for j, t in enumerate(tokens):
             key = (node + 1) << 32 | t
@@ -88,7 +91,7 @@ class _Trie:
                 nxt = child[key] = len(self.tokens)
                 self.tokens.append(t)
                 self.parents.append(node)
-                self.depth.append(1 if node < 0 else self.depth[node] + 1)
+                depth.append(1 if node < 0 else depth[node] + 1)
                 evs.append({source: (strength, j)})
                 kids.setdefault(node, []).append(nxt)
             else:
@@ -96,11 +99,36 @@ class _Trie:
                 old = ev.get(source)
                 if old is None or strength > old[0]:
                     ev[source] = (strength, j)
-            if counts is not None:
-                counts[nxt] = counts.get(nxt, 0) + weight
+            counts[nxt] = counts.get(nxt, 0) + weight
             node = nxt
-        if counts is not None and parent < 0 and tokens:
+        if parent < 0 and tokens:
             counts[-1] = counts.get(-1, 0) + weight
+
+    def add_followers(self, parent: int, followers: Sequence[Sequence[int]], source: str, first: int = 0) -> None:
+        """A table's followers of the parent's token (a table source: no counts), the k-th with
+        strength first + k (its rank): add() for each, in one call (the hot path of a lookup)."""
+        child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
+        tokens, parents = self.tokens, self.parents
+        top = 0 if parent < 0 else depth[parent]
+        for rank, follower in enumerate(followers, first):
+            node, d = parent, top
+            for j, t in enumerate(follower):
+                d += 1
+                key = (node + 1) << 32 | t
+                nxt = child.get(key)
+                if nxt is None:
+                    nxt = child[key] = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                    depth.append(d)
+                    evs.append({source: (rank, j)})
+                    kids.setdefault(node, []).append(nxt)
+                else:
+                    ev = evs[nxt]
+                    old = ev.get(source)
+                    if old is None or rank > old[0]:
+                        ev[source] = (rank, j)
+                node = nxt
 
     def features(self, i: int) -> list:
         """The node's features for the scorer: what each source says about it, which sources
@@ -109,10 +137,14 @@ class _Trie:
         ev, p = self.ev[i], self.parents[i]
         token = self.tokens[i]
         before = self.tokens[p] if p >= 0 else self.root
-        feats: list = [("depth", min(self.depth[i], 6)), ("token", token),
-                       ("pair", hash((before, token)) & PAIR_MASK), ("from",) + tuple(sorted(ev))]
+        sources = tuple(ev)
+        given = _FROM.get(sources)
+        if given is None:
+            given = _FROM[sources] = ("from",) + tuple(sorted(sources))
+        feats: list = [_DEPTH[min(self.depth[i], 6)], ("token", token), ("pair", hash((before, token)) & PAIR_MASK),
+                       given]
         for source, (strength, j) in ev.items():
-            feats.append((source + "@", min(j, 3)))
+            feats.append(_AT[source][min(j, 3)])
             if source in RETRIEVED:
                 feats.append((source, _bucket(strength)))
                 counts = self.count[source]
@@ -120,10 +152,18 @@ class _Trie:
                 if whole:
                     feats.append((source + "%", _frac(counts.get(i, 0), whole)))
             else:
-                feats.append((source, min(strength, 3)))
-        if len(ev) > 1:
-            feats.append(("agree", min(len(ev), 3)))
+                feats.append(_RANK[source][min(strength, 3)])
+        if len(sources) > 1:
+            feats.append(_AGREE[min(len(sources), 3)])
         return feats
+
+
+# features() builds the same tuples over and over: made once here (equal tuples, equal weights)
+_DEPTH = [("depth", d) for d in range(7)]
+_AT = {s: [(s + "@", j) for j in range(4)] for s in RETRIEVED + tuple(TABLE_SOURCES.values())}
+_RANK = {s: [(s, k) for k in range(4)] for s in TABLE_SOURCES.values()}
+_AGREE = [("agree", k) for k in range(4)]
+_FROM: dict[tuple, tuple] = {}  # the sources of a node, in the order they came -> ("from", sorted...)
 
 
 class AutoDrafter(Drafter):
@@ -264,8 +304,7 @@ class AutoDrafter(Drafter):
     def _lookup(self, trie: _Trie, node: int, token: int) -> None:
         """The tables' followers of `token` become children of `node` (or add evidence to them)."""
         for source, followers in self._table_followers(token):
-            for rank, follower in enumerate(followers):
-                trie.add(node, follower, source, rank)
+            trie.add_followers(node, followers, source)
 
     def _best_first(self, trie: _Trie, root_token: int, budget: int, chain: bool) -> DraftTree:
         """The `budget` most probable nodes, best first. Best-first search from the root: the most

@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from itertools import repeat
 from pathlib import Path
 from typing import Callable, Hashable, Sequence
 
@@ -64,8 +65,7 @@ class Scorer:
         self.bias, self.bias_n = float(state["bias"]), int(state["bias_n"])
 
     def logit(self, feats: Sequence[Feature]) -> float:
-        w = self.w
-        return self.bias + sum(w.get(f, 0.0) for f in feats)
+        return self.bias + sum(map(self.w.get, feats, repeat(0.0)))  # (each weight, 0 if unseen)
 
     def p(self, feats: Sequence[Feature]) -> float:
         z = self.logit(feats)
