@@ -78,41 +78,22 @@ class _Trie:
         self.root = -1  # the root's token (the last one of the history)
 
     def add(self, parent: int, tokens: Sequence[int], source: str, strength: int, weight: int = 1) -> None:
-        if source not in RETRIEVED:
-            self.add_followers(parent, (tokens,), source, strength)
-            return
-        child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
-        counts = self.count.setdefault(source, {})
-        node = parent
-        for j, t in enumerate(tokens):
-            key = (node + 1) << 32 | t
-            nxt = child.get(key)
-            if nxt is None:
-                nxt = child[key] = len(self.tokens)
-                self.tokens.append(t)
-                self.parents.append(node)
-                depth.append(1 if node < 0 else depth[node] + 1)
-                evs.append({source: (strength, j)})
-                kids.setdefault(node, []).append(nxt)
-            else:
-                ev = evs[nxt]
-                old = ev.get(source)
-                if old is None or strength > old[0]:
-                    ev[source] = (strength, j)
-            counts[nxt] = counts.get(nxt, 0) + weight
-            node = nxt
-        if parent < 0 and tokens:
-            counts[-1] = counts.get(-1, 0) + weight
+        """One continuation of `source` below `parent` (-1: the root), with its strength (a match's
+        length, or a table follower's rank); a retrieved source's continuations are counted, `weight`
+        times each."""
+        self.add_all(parent, (tokens,), source, strength, weight)
 
-    def add_followers(self, parent: int, followers: Sequence[Sequence[int]], source: str, first: int = 0) -> None:
-        """A table's followers of the parent's token (a table source: no counts), the k-th with
-        strength first + k (its rank): add() for each, in one call (the hot path of a lookup)."""
+    def add_all(self, parent: int, continuations: Sequence[Sequence[int]], source: str, first: int = 0,
+                weight: int = 1) -> None:
+        """add() for each continuation, the k-th with strength first + k (a table's followers of
+        the parent's token, by rank): in one call, as a lookup adds dozens."""
         child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
         tokens, parents = self.tokens, self.parents
+        counts = self.count.setdefault(source, {}) if source in RETRIEVED else None
         top = 0 if parent < 0 else depth[parent]
-        for rank, follower in enumerate(followers, first):
+        for strength, cont in enumerate(continuations, first):
             node, d = parent, top
-            for j, t in enumerate(follower):
+            for j, t in enumerate(cont):
                 d += 1
                 key = (node + 1) << 32 | t
                 nxt = child.get(key)
@@ -121,14 +102,18 @@ class _Trie:
                     tokens.append(t)
                     parents.append(node)
                     depth.append(d)
-                    evs.append({source: (rank, j)})
+                    evs.append({source: (strength, j)})
                     kids.setdefault(node, []).append(nxt)
                 else:
                     ev = evs[nxt]
                     old = ev.get(source)
-                    if old is None or rank > old[0]:
-                        ev[source] = (rank, j)
+                    if old is None or strength > old[0]:
+                        ev[source] = (strength, j)
+                if counts is not None:
+                    counts[nxt] = counts.get(nxt, 0) + weight
                 node = nxt
+            if counts is not None and parent < 0 and cont:
+                counts[-1] = counts.get(-1, 0) + weight
 
     def features(self, i: int) -> list:
         """The node's features for the scorer: what each source says about it, which sources
@@ -304,7 +289,7 @@ class AutoDrafter(Drafter):
     def _lookup(self, trie: _Trie, node: int, token: int) -> None:
         """The tables' followers of `token` become children of `node` (or add evidence to them)."""
         for source, followers in self._table_followers(token):
-            trie.add_followers(node, followers, source)
+            trie.add_all(node, followers, source)
 
     def _best_first(self, trie: _Trie, root_token: int, budget: int, chain: bool) -> DraftTree:
         """The `budget` most probable nodes, best first. Best-first search from the root: the most
