@@ -54,7 +54,7 @@ def prompt_as_mlx_lm_default(model) -> bool:
     """Whether a prompt goes through the model as mlx-lm's generate_step puts it (chunks of 2,048
     from the first uncached token, the last token alone in the first step) rather than in the
     engine's own layout (smaller chunks; up to LEAD_TAIL uncached tokens in the first pass, with
-    its drafts): on a GPU in float16/bfloat16, where a product's bits depend on how many rows it
+    its drafts, planner.lead_tail): on a GPU in float16/bfloat16, where a product's bits depend on how many rows it
     runs, so that only mlx-lm's layout leaves mlx-lm's bits in the caches. On the CPU, and in
     float32, the layout changes no token (tests/test_families.py against generate_step)."""
     from .footprint import compute_dtype
@@ -330,11 +330,12 @@ class Engine:
         self.seq.cached, self.seq.history, self.seq.lead, self.seq.learned = [], [], [], set()
         self.drafter.reset()
 
-    def _start(self, prompt: list[int], context=(), tail: int = 1, slot: int | None = None, stop=None) -> None:
-        """Prefill what the cache lacks of the prompt but its last `tail` tokens (at least one),
-        which lead the first pass (prompt[-1] is its root): a short uncached tail, a new chat
-        turn or the text typed since an editor's last request, then shares a pass with the first
-        drafts instead of taking a prefill pass of its own.
+    def _start(self, prompt: list[int], context=(), slot: int | None = None, stop=None, tail: bool = False) -> None:
+        """Prefill what the cache lacks of the prompt but its last token, which leads the first
+        pass (prompt[-1] is its root), or with `tail` its last tokens as many as the planner says
+        (planner.lead_tail): a short uncached tail, a new chat turn or the text typed since an
+        editor's last request, then shares a pass with the first drafts instead of taking a
+        prefill pass of its own.
         `context`: text beside the prompt for the drafter to learn (start_request).
         `slot`: the slot to run in (None or -1: the one that reuses most, slots.Slots.choose).
         `stop`: asked between prefill chunks; True stops the prefill there (Interrupted), the
@@ -343,8 +344,12 @@ class Engine:
         self.seq = self.slots.take(self.slots.choose(prompt, slot), self.model)
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.seq.cached, prompt[:-1]))
-        split = len(prompt) - max(1, min(tail, len(prompt) - keep))
+        n = self.planner.lead_tail(len(prompt) - keep, keep) if tail else 1
+        split = len(prompt) - max(1, min(n, len(prompt) - keep))
         done = self._prefill(prompt[keep:split], stop)
+        if n > 1 and keep + done == split and self.planner.lead_tail(len(prompt) - keep, keep) == 1:
+            done += self._prefill(prompt[split:-1], stop)  # this prefill has just shown the tail's rows
+            split = len(prompt) - 1  # cost more in a pass than in prefill
         if keep + done < split:
             self.seq.cached, self.seq.lead = prompt[: keep + done], []
             raise Interrupted(f"prefill stopped after {keep + done} of {split} tokens")
@@ -476,7 +481,7 @@ class Engine:
         plan = self.planner
         ahead_ok = self.run_ahead and self.peers is None and forced is None  # see `ahead` below
         with cores.share.busy():  # other processes of ours run fewer BLAS threads meanwhile (cores.py)
-            self._start(prompt, context, 1 if self.prompt_as_mlx_lm else plan.lead_tail, slot, stop)
+            self._start(prompt, context, slot, stop, tail=not self.prompt_as_mlx_lm)
             seq = self.seq  # the sequence this request runs in (its slot's)
             ahead = None  # a plain step already running over seq.lead: its logits
             quiet = 0  # passes in a row the drafter had nothing worth sending for

@@ -27,7 +27,9 @@ class FixedPlanner:
 
     def __init__(self, budget: int, buckets: tuple[int, ...] | None = None):
         self.budget, self.buckets = budget, buckets
-        self.lead_tail = 1  # a new turn's text is prefilled; its last token leads the first pass
+    def lead_tail(self, uncached: int, cached: int) -> int:
+        """A new turn's text is prefilled; its last token leads the first pass."""
+        return 1
 
     def draft_cap(self, lead: int, cached: int, limit: int) -> int:
         return min(self.budget - (lead - 1), limit)
@@ -55,7 +57,30 @@ class CostPlanner:
                  recurrent: bool = False):
         self.sizer, self.budget, self.buckets = sizer, budget, buckets
         sizer.pad = not recurrent  # padded rows would run the recurrence
-        self.lead_tail = 1 if recurrent else LEAD_TAIL
+        self.recurrent = recurrent
+        self.prefill_rate: float | None = None  # seconds a token in prefill chunks here (running mean)
+
+    def lead_tail(self, uncached: int, cached: int) -> int:
+        """How many of a prompt's `uncached` last tokens go through the first pass, with its drafts,
+        rather than through prefill: up to LEAD_TAIL (a short new turn then takes no prefill call
+        of its own), unless those rows would cost more than TAIL_SLACK times as much in the pass (by
+        the pass-cost table) as prefilling them has cost here: every row of a pass also runs the
+        output head, which prefill never evaluates, and where a pass costs each row anew (MLX's
+        4-bit matmul on the CPU) the tail's rows cost several times their prefill (then 1: only
+        the last token leads). Recurrent models: 1 (a pass not accepted
+        whole is undone)."""
+        tail = min(LEAD_TAIL, uncached)
+        if self.recurrent or tail <= 1:
+            return 1
+        if self.prefill_rate is None:  # nothing prefilled here yet: the rows priced alike
+            return tail
+        extra = self.sizer.price(tail, cached) - self.sizer.price(1, cached)
+        return tail if extra <= self.TAIL_SLACK * (tail - 1) * self.prefill_rate else 1
+
+    # The tail also saves the prefill call itself, and both costs are estimates. On a 2-core x86
+    # CPU a 150-token prompt's 48-token tail costs the default model less in a pass than in
+    # prefill, and a 4-bit model on MLX's CPU path about three times more (docs/BENCHMARKS.md §5).
+    TAIL_SLACK = 2.0
 
     def draft_cap(self, lead: int, cached: int, limit: int) -> int:
         limit = min(self.budget, limit)
@@ -73,6 +98,9 @@ class CostPlanner:
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
         self.sizer.prefilled(rows, cached, seconds)
+        if rows >= 16 and seconds > 0:  # chunks of a few tokens pay mostly for the call
+            rate = seconds / rows
+            self.prefill_rate = rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
 
     def drafted(self, asked: int, seconds: float) -> None:
         self.sizer.drafted(asked, seconds)

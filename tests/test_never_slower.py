@@ -141,3 +141,36 @@ def test_auto_on_a_random_model_sends_what_costs_under_three_percent(random_mode
     plain_s = (eng.stats.tokens - 1) * one_row  # what one-row steps take for the same tokens
     assert plain_s / spent >= 0.97, plain_s / spent
     assert eng.stats.tokens / eng.stats.passes < 1.1  # nothing to gain here: few drafts accepted
+
+
+def test_the_prompt_s_tail_goes_where_its_rows_cost_less():
+    """Up to LEAD_TAIL uncached prompt tokens lead the first pass, unless this machine's prefill
+    has shown them to cost far less there than in a pass (a pass that costs each row anew)."""
+    from cacheback_mlx.planner import LEAD_TAIL, CostPlanner
+
+    for curve, want in (("flat", LEAD_TAIL), ("cpu", LEAD_TAIL), ("steep", 1)):
+        plan = CostPlanner(Sizer(table(CURVES[curve])), 63)
+        assert plan.lead_tail(150, 0) == LEAD_TAIL  # nothing prefilled yet: the rows priced alike
+        assert plan.lead_tail(20, 0) == 20 and plan.lead_tail(1, 0) == 1
+        step = plan.sizer.price(1, 0)
+        plan.prefilled(128, 0, 128 * step / 4)  # a prompt token costs a quarter of a step in prefill
+        assert plan.lead_tail(150, 0) == want, curve
+    assert CostPlanner(Sizer(table(CURVES["flat"])), 63, recurrent=True).lead_tail(150, 0) == 1
+
+
+def test_a_prompt_whose_tail_costs_more_in_a_pass_is_prefilled_whole(random_model):
+    """The first pass then holds the last prompt token and its drafts only; the output is plain
+    decoding's. Without a prefill seen before, the request's own prefill (all but the tail) decides."""
+    prompt = [(37 * i + 11) % 8000 + 1 for i in range(150)]
+    plain = Engine(random_model, eos_ids=[], drafter=make_drafter("none"), context_length=4096, draft_budget=0)
+    want = [t for step in plain.generate(prompt, 12) for t in step]
+    for curve, seen, first_rows in (("steep", True, lambda r: r < 8), ("flat", True, lambda r: r >= 48),
+                                    ("steep", False, lambda r: r < 8)):
+        sizer = Recorded(table(CURVES[curve]))  # (its seconds: a model far bigger than this one)
+        eng = Engine(random_model, eos_ids=[], drafter=make_drafter("auto", persist=False), context_length=4096,
+                     sizer=sizer)
+        if seen:  # as if this machine had prefilled before: a prompt token at a quarter of a step
+            eng.planner.prefill_rate = sizer.price(1, 0) / 4
+        got = [t for step in eng.generate(prompt, 12) for t in step]
+        assert got == want, curve
+        assert first_rows(sizer.passes[0][0]), (curve, seen, sizer.passes[0])
