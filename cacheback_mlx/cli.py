@@ -437,6 +437,9 @@ def doctor(model_spec, drafter, drafter_args):
         from . import kernels
 
         click.echo(kernels.describe())
+    from .kernels import exactness
+
+    click.echo(exactness())
     from . import cores
     from .engine import RUN_AHEAD_ENV, run_ahead_default
 

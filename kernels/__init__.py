@@ -109,6 +109,26 @@ def describe() -> str:
             + f"; other passes' attention: {other}")
 
 
+def exactness() -> str:
+    """One line for `doctor`: in which dtypes greedy output equals mlx-lm's plain decoding here."""
+    device = mx.default_device()
+    if device == mx.cpu:
+        return ("exact greedy output (equal to mlx-lm's plain decoding): float32, tested on the CPU; "
+                "other dtypes not checked on the CPU")
+    if not on_cuda():
+        return ("exact greedy output: not checked on this GPU (Metal); passes of several rows may round "
+                "differently from one-row steps, most in float16/bfloat16")
+    f32 = ("float32 (TF32 off)" if os.environ.get("MLX_ENABLE_TF32") == "0"
+           else "not float32 while TF32 is on (MLX_ENABLE_TF32=1)")
+    if enabled and attention_enabled and usable(mx.float16) and usable(mx.bfloat16):
+        half = ("float16/bfloat16 in plain linear layers and attention (kernels on), not yet in quantized or "
+                "biased linear layers, sliding windows or passes shared by several requests")
+    else:
+        half = ("not float16/bfloat16 (without both kernels on, a pass of several rows rounds differently "
+                "from a one-row step)")
+    return f"exact greedy output (equal to mlx-lm's plain decoding): {f32}; {half}"
+
+
 @contextmanager
 def rows_pass(real: int | None = None):
     """While the engine builds a verify pass on this thread: its linear layers may use the kernel.
@@ -168,4 +188,4 @@ def attach(model) -> int:
     return len(dtypes)
 
 
-__all__ = ["attach", "describe", "exact_rows", "pass_attention", "rows_pass", "usable"]
+__all__ = ["attach", "describe", "exact_rows", "exactness", "pass_attention", "rows_pass", "usable"]

@@ -234,6 +234,7 @@ def test_mlx_lm_folder_of_every_family_loads_and_doctor_names_its_caches(name, t
     caches = Engine(model, [], NoDrafter(), 4096).describe()["caches"]
     assert all(f"{k} x{v}" in result.output for k, v in caches.items()), result.output
     assert "several requests at once (serve --parallel): one shared pass" in result.output, result.output
+    assert "exact greedy output (equal to mlx-lm's plain decoding): float32, tested on the CPU" in result.output
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text", "falcon_h1"])

@@ -236,3 +236,19 @@ def test_grouping_is_trusted_only_after_equal_bits():
     g = rows_attention.Grouping()
     g.verdict(a, a + 1e-7)
     assert g.ok is False
+
+
+def test_doctor_says_in_which_dtypes_output_is_exact(monkeypatch):
+    assert "float32, tested on the CPU" in kernels.exactness()
+    monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(mx.gpu))  # as on a GPU
+    assert "not checked on this GPU (Metal)" in kernels.exactness()
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    monkeypatch.setattr(kernels, "usable", lambda dtype: True)
+    monkeypatch.setattr(kernels, "enabled", True)
+    monkeypatch.setattr(kernels, "attention_enabled", True)
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert "float32 (TF32 off); float16/bfloat16 in plain linear layers and attention" in kernels.exactness()
+    monkeypatch.setattr(kernels, "attention_enabled", False)  # the matmul alone leaves half precision inexact
+    assert "not float16/bfloat16 (without both kernels on" in kernels.exactness()
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")
+    assert kernels.exactness().startswith("exact greedy output (equal to mlx-lm's plain decoding): not float32")
