@@ -711,7 +711,7 @@ def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
     d.observe(text[:-30])
     d.learn(text[-30:])  # evidence beside the history too
     tree = d.propose(text[:-30], budget)
-    tokens, parents, feats = d._last
+    tokens, parents, feats, _ = d._last
     path, key = [], []
     for i, p in enumerate(parents):  # every candidate's path probability and token path
         path.append(d.scorer.p(feats(i)) * (path[p] if p >= 0 else 1.0))

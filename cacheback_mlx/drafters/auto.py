@@ -193,7 +193,8 @@ class AutoDrafter(Drafter):
     def observe(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
         if self._last is not None:  # the tokens the model produced after the last proposal
-            self.labelled += self.scorer.learn_trie(*self._last, tokens)
+            trie_tokens, parents, feats, kids = self._last
+            self.labelled += self.scorer.learn_trie(trie_tokens, parents, feats, tokens, kids)
             self._last = None
         self.tables.observe(tokens)
         if self.ssd is not None:
@@ -283,7 +284,7 @@ class AutoDrafter(Drafter):
             self._retrieved(trie, history, self.ssd, "ssd")
         if self.rest is not None:
             self._retrieved(trie, history, self.rest, "rest")
-        self._last = (trie.tokens, trie.parents, trie.features)
+        self._last = (trie.tokens, trie.parents, trie.features, trie.kids)
         return self._best_first(trie, history[-1], budget, max_branching == 1)
 
     def _lookup(self, trie: _Trie, node: int, token: int) -> None:

@@ -39,6 +39,9 @@ class Scorer:
         self.n: dict[Feature, int] = {}
         self.bias, self.bias_n = bias, 0
         self.step, self.floor = step, floor
+        # _rate(k) for every k until it is the floor (at most 2^16 of them)
+        last = min(int((step / floor) ** 2) + 2 if floor > 0 else 1 << 16, 1 << 16)
+        self._rates = [0.0] + [self._rate(k) for k in range(1, last)]
 
     # -- kept between runs (auto.py saves it beside SSD's store) ------------------------
     def state(self, min_uses: int = 2) -> dict:
@@ -74,22 +77,29 @@ class Scorer:
     def update(self, feats: Sequence[Feature], accepted: bool) -> None:
         """One gradient step of the log-likelihood for one labelled node."""
         g = float(accepted) - self.p(feats)
-        step, floor, n, w = self.step, self.floor, self.n, self.w
+        n, w, rates, rate = self.n, self.w, self._rates, self._rate
         self.bias_n += 1
-        self.bias += g * max(floor, step / math.sqrt(self.bias_n))
+        self.bias += g * (rates[self.bias_n] if self.bias_n < len(rates) else rate(self.bias_n))
         for f in feats:
             k = n.get(f, 0) + 1
             n[f] = k
-            w[f] = w.get(f, 0.0) + g * max(floor, step / math.sqrt(k))
+            w[f] = w.get(f, 0.0) + g * (rates[k] if k < len(rates) else rate(k))
+
+    def _rate(self, k: int) -> float:
+        """The step size after k uses (the table _rates holds it for the first uses)."""
+        return max(self.floor, self.step / math.sqrt(k))
 
     def learn_trie(self, tokens: Sequence[int], parents: Sequence[int],
-                   feats: Callable[[int], Sequence[Feature]], truth: Sequence[int]) -> int:
+                   feats: Callable[[int], Sequence[Feature]], truth: Sequence[int],
+                   kids: dict[int, list[int]] | None = None) -> int:
         """Label the candidates of one step against the tokens the model produced (`truth`, from the
         root's successor on): walk the true path down the candidate trie; every child of a node on
-        it is accepted iff its token is the next true token. Returns how many were labelled."""
-        kids: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            kids.setdefault(p, []).append(i)
+        it is accepted iff its token is the next true token. Returns how many were labelled.
+        kids: each node's children in index order (-1: the root's), where the caller keeps them."""
+        if kids is None:
+            kids = {}
+            for i, p in enumerate(parents):
+                kids.setdefault(p, []).append(i)
         node, labelled = -1, 0
         for t in truth:
             nxt = None
