@@ -54,9 +54,10 @@ def prompt_as_mlx_lm_default(model) -> bool:
     """Whether a prompt goes through the model as mlx-lm's generate_step puts it (chunks of 2,048
     from the first uncached token, the last token alone in the first step) rather than in the
     engine's own layout (smaller chunks; up to LEAD_TAIL uncached tokens in the first pass, with
-    its drafts, planner.lead_tail): on a GPU in float16/bfloat16, where a product's bits depend on how many rows it
-    runs, so that only mlx-lm's layout leaves mlx-lm's bits in the caches. On the CPU, and in
-    float32, the layout changes no token (tests/test_families.py against generate_step)."""
+    its drafts: planner.lead_tail): on a GPU in float16/bfloat16, where a product's bits depend on
+    how many rows it runs, so that only mlx-lm's layout leaves mlx-lm's bits in the caches. On the
+    CPU, and in float32, the layout changes no token (tests/test_families.py against
+    generate_step)."""
     from .footprint import compute_dtype
 
     return on_gpu() and compute_dtype(model) in (mx.float16, mx.bfloat16)

@@ -27,6 +27,7 @@ class FixedPlanner:
 
     def __init__(self, budget: int, buckets: tuple[int, ...] | None = None):
         self.budget, self.buckets = budget, buckets
+
     def lead_tail(self, uncached: int, cached: int) -> int:
         """A new turn's text is prefilled; its last token leads the first pass."""
         return 1
@@ -67,8 +68,7 @@ class CostPlanner:
         the pass-cost table) as prefilling them has cost here: every row of a pass also runs the
         output head, which prefill never evaluates, and where a pass costs each row anew (MLX's
         4-bit matmul on the CPU) the tail's rows cost several times their prefill (then 1: only
-        the last token leads). Recurrent models: 1 (a pass not accepted
-        whole is undone)."""
+        the last token leads). Recurrent models: 1 (a pass not accepted whole is undone)."""
         tail = min(LEAD_TAIL, uncached)
         if self.recurrent or tail <= 1:
             return 1

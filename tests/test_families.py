@@ -98,6 +98,25 @@ def test_greedy_tokens_equal_mlx_lm(family):
             assert sizer.calibration.expected.sum() > 0, name
 
 
+def test_a_prompt_prefilled_whole_before_a_sized_first_pass_gives_mlx_lm_s_tokens(family):
+    """Where the planner keeps the prompt's tail out of the first pass (its rows cost more there
+    than in prefill: planner.CostPlanner.lead_tail), the prompt is prefilled whole but its last
+    token, and the sized passes that follow give mlx-lm's tokens."""
+    name, model = family
+    truth = reference(model, PROMPT, N)
+    table = CostTable({256: {1: 1.0, 2: 1.5, 4: 1.5, 8: 1.2, 16: 2.0, 32: 4.0}})
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, sizer=Sizer(table))
+    eng.planner.prefill_rate = 0.0  # as if prefill had cost nothing here: no tail in the first pass
+    tails, leads = [], []
+    ask, plan = eng.planner.lead_tail, eng.planner.plan
+    eng.planner.lead_tail = lambda *a: tails.append(ask(*a)) or tails[-1]  # (spies)
+    eng.planner.plan = lambda tree, lead, cached: leads.append(lead) or plan(tree, lead, cached)
+    out, _ = run(model, OracleDrafter(PROMPT, truth, extra_wrong_branches=2), engine=eng)
+    assert out == truth, name
+    assert tails and set(tails) == {1}, (name, tails)
+    assert leads[0] == 1, (name, leads[:3])  # the first pass: the last prompt token and drafts
+
+
 def test_second_call_reuses_the_cache_and_a_shared_prefix_is_trimmed(family):
     name, model = family
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
