@@ -189,3 +189,22 @@ def test_the_prompt_as_mlx_lm_lays_it_out_is_lossless_on_the_default_model(defau
             assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
             stop()
             assert chunks == [len(ids) - 1], (name, mode, chunks)  # one chunk, all but the last token
+
+
+def test_a_prompt_kept_out_of_the_first_pass_is_lossless_on_the_default_model(default_model, plain_outputs):
+    """Where the planner keeps the prompt's tail out of the first pass (planner.CostPlanner.lead_tail:
+    its rows cost more there than in prefill), `auto` with passes sized by cost still gives plain
+    decoding's tokens, and the first pass is led by the last prompt token alone."""
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import CostTable
+
+    table = CostTable({256: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 16: 1.6, 32: 2.4, 64: 4.0}})
+    eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length,
+                 sizer=Sizer(table))
+    eng.planner.prefill_rate = 0.0  # as if prefill cost nothing here
+    leads, plan = [], eng.planner.plan
+    eng.planner.plan = lambda tree, lead, cached: leads.append(lead) or plan(tree, lead, cached)  # (a spy)
+    for mode, (ids, truth) in plain_outputs.items():
+        leads.clear()
+        assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], mode
+        assert leads[0] == 1, (mode, leads[:3])
