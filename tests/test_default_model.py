@@ -81,11 +81,12 @@ def drafter_params(default_model, tmp_path_factory):
 @pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
 def test_drafter_is_lossless_on_the_default_model(name, default_model, plain_outputs, drafter_params):
     drafter = make_drafter(name, **drafter_params.get(name, {}))
+    n = 24 if name == "card" else N  # (CARD's draft model drafts in this process: ~5 tokens/s)
     for mode, (ids, truth) in plain_outputs.items():
         eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16)
-        out = [t for step in eng.generate(ids, N) for t in step]
-        assert out == truth, (name, mode)
-        assert eng.stats.passes <= N
+        out = [t for step in eng.generate(ids, n) for t in step]
+        assert out == truth[:n], (name, mode)
+        assert eng.stats.passes <= n
 
 
 def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_outputs, drafter_params):

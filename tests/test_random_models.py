@@ -83,8 +83,8 @@ def run(loaded, drafter, prompt, budget, n=N):
 def test_greedy_stream_varies_and_the_engine_reproduces_it(case, auto):
     name, loaded = case
     prompt = loaded.tokenizer.encode("def fib(n):", add_special_tokens=False)
-    truth = reference(loaded.model, prompt)
-    assert len(set(truth)) > 6, (name, truth)  # not one token repeated
+    truth = reference(loaded.model, prompt, N if name in MORE else 8)  # (a one-row step: ~0.5 s on q4 shapes)
+    assert len(set(truth)) > (6 if len(truth) == N else 4), (name, truth)  # not one token repeated
     assert max(truth) < TOKENIZER_VOCAB, name  # never an id the tokenizer lacks
     loaded.tokenizer.decode(truth)
     if CASES[name].split(":")[2] in ("q4", "q8") and mx.default_device().type == mx.DeviceType.gpu:
@@ -215,7 +215,12 @@ def test_quantized_folder_that_would_not_fit_dequantized_stays_quantized(tmp_pat
 
 
 def test_doctor_shows_shape_bytes_and_caches(monkeypatch):
+    from cacheback_mlx import sharing
+
     monkeypatch.setattr(loader, "load", load)  # the model the other tests built
+    # (its line on shared passes runs passes of 7-12 rows: ~15 s for this shape on MLX's CPU
+    # 4-bit path; test_batch.py checks that line's answers)
+    monkeypatch.setattr(sharing, "check_sharing", lambda engine: sharing.Sharing("not checked here"))
     r = CliRunner().invoke(main, ["doctor", "--model", CASES["gpt-oss-20b"]])
     assert r.exit_code == 0, r.output
     out = r.output
