@@ -368,8 +368,11 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         if fixed and (not isinstance(budget, int) or budget < 0):
             raise CachebackError(f"{label}: budget must be a number of tokens or 'auto'")
         rows[label] = (session.make_drafter(name, **args), fixed, budget)
-    cost = session.verify_cost()
-    instances = {label: B.Row(drafter, None if fixed else Sizer(cost), budget if fixed else draft_budget)
+    # the pass cost is measured only where a drafter's passes are sized by it (`none` drafts nothing)
+    sized = any(not fixed and label != "none" for label, (_, fixed, _) in rows.items())
+    cost = session.verify_cost() if sized else None
+    instances = {label: B.Row(drafter, None if fixed or cost is None else Sizer(cost),
+                              budget if fixed else draft_budget)
                  for label, (drafter, fixed, budget) in rows.items()}
     if recording is not None:
         meta.update({k: recording.get(k)
@@ -436,6 +439,8 @@ def doctor(model_spec, drafter, drafter_args):
                    "(MLX_ENABLE_TF32; CUDA float32 matmuls)")
         from . import kernels
 
+        if kernels.on_cuda() and kernels.enabled:
+            click.echo("engine's GPU kernels: checking them (MLX compiles them in every process; seconds)...")
         click.echo(kernels.describe())
     from .kernels import exactness
 

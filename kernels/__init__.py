@@ -10,7 +10,10 @@ bit for bit (docs/BENCHMARKS.md §15).
 
 The matmul is checked at its first use in a process, per dtype, against its plain-MLX reference
 (kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than running the
-rows one by one, else it is skipped with one warning (and the row-by-row attention with it). They
+rows one by one, else it is skipped with one warning (and the row-by-row attention with it). MLX
+compiles a custom CUDA kernel's builds in every process (it keeps only its own on disk), so the
+check compiles every build a pass can use (6 a dtype) up front, none in the middle of a decoding;
+measured before the builds were cut from ~20 to 6: ~28 s a dtype on an H100 host. They
 run only inside the engine's verify passes (`verify_pass()`), never in prefill or in plain mlx-lm
 in the same process. CACHEBACK_MLX_KERNELS=0 turns them off, CACHEBACK_MLX_ROWS_ATTENTION=0 the
 attention alone; `cacheback-mlx doctor` shows which run.
@@ -101,6 +104,9 @@ def describe() -> str:
         return f"engine's GPU kernels: off ({ENV}=0); verify passes' attention: {other}"
     parts = []
     for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        if dtype == mx.float32 and dtype not in _checked:  # each check compiles its builds (~2 s each)
+            parts.append(f"{dtype}: checked at its first use")
+            continue
         usable(dtype)
         ok, reason = _checked[dtype]
         parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")

@@ -25,18 +25,21 @@ WARP, ROWS_PER_BLOCK = 32, 8  # as MLX's gemv: a warp per weight row, 8 warps a 
 
 HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# x: [R, K], w: [N, K] (both row-contiguous), out: [R, N]; template T (dtype), R (rows), NPT
-# (columns a lane loads at once: 4 when K % 128 == 0, 2 when K % 64 == 0, else 1, as the gemv)
+# x: [R, K], w: [N, K] (both row-contiguous), out: [R, N]; template T (dtype), RMAX (the most rows
+# this build takes: R <= RMAX, read from x's shape at run time), NPT (columns a lane loads at once:
+# 4 when K % 128 == 0, 2 when K % 64 == 0, else 1, as the gemv). A row's own sum sees the same
+# float operations in the same order whatever RMAX is: rows past R are skipped, never computed.
 SOURCE = """
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
     const int n_rows = w_shape[0];
     const int cols = w_shape[1];
+    const int rows = x_shape[0];
     const int row = blockIdx.x * 8 + threadIdx.y;
     if (row < n_rows) {
-        float sums[R];
+        float sums[RMAX];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < RMAX; ++r) {
             sums[r] = 0.0f;
         }
         const T* wrow = w + (size_t)row * cols;
@@ -47,23 +50,39 @@ SOURCE = """
                 m[j] = static_cast<float>(wrow[col + j]);
             }
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const T* xr = x + (size_t)r * cols + col;
+            for (int r = 0; r < RMAX; ++r) {
+                if (r < rows) {
+                    const T* xr = x + (size_t)r * cols + col;
 #pragma unroll
-                for (int j = 0; j < NPT; ++j) {
-                    sums[r] += m[j] * static_cast<float>(xr[j]);
+                    for (int j = 0; j < NPT; ++j) {
+                        sums[r] += m[j] * static_cast<float>(xr[j]);
+                    }
                 }
             }
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float s = cg::reduce(warp, sums[r], cg::plus<float>());
-            if (warp.thread_rank() == 0) {
-                out[(size_t)r * n_rows + row] = static_cast<T>(s);
+        for (int r = 0; r < RMAX; ++r) {
+            if (r < rows) {  // the same for the whole warp: every lane takes part in the reduce
+                float s = cg::reduce(warp, sums[r], cg::plus<float>());
+                if (warp.thread_rank() == 0) {
+                    out[(size_t)r * n_rows + row] = static_cast<T>(s);
+                }
             }
         }
     }
 """
+
+# MLX compiles each template instance of a custom CUDA kernel with NVRTC in every process (~2 s
+# each on an H100 host; it keeps only its own kernels on disk), so rows are not a template
+# parameter: two builds a lane width take every pass of 2-64 rows, and `check` compiles them all
+# before the first pass instead of one per row count in the middle of a decoding.
+RMAX_BUILDS = (8, MAX_ROWS)
+
+
+def rmax(rows: int) -> int:
+    """The build that takes a pass of `rows` rows: the smallest of RMAX_BUILDS that holds them."""
+    return next(b for b in RMAX_BUILDS if rows <= b)
+
 
 _kernel = None
 
@@ -85,7 +104,7 @@ def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w [N, K].T -> [R, N] on a CUDA GPU, 1 <= R <= MAX_ROWS, float16/bfloat16/float32."""
     r, k = x.shape
     n = w.shape[0]
-    return _get_kernel()(inputs=[x, w], template=[("T", x.dtype), ("R", r), ("NPT", lane_width(k))],
+    return _get_kernel()(inputs=[x, w], template=[("T", x.dtype), ("RMAX", rmax(r)), ("NPT", lane_width(k))],
                          grid=(WARP * ((n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK), ROWS_PER_BLOCK, 1),
                          threadgroup=(WARP, ROWS_PER_BLOCK, 1), output_shapes=[(r, n)], output_dtypes=[x.dtype])[0]
 
@@ -105,9 +124,9 @@ def _median_ms(fn, repeats: int = 15) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-# (N, K): a lane width of 2, 4 and 1, and one big enough to time
+# (N, K): a lane width of 2, 4 and 1, and one big enough to time; rows: both builds, full and not
 CHECK_SHAPES = ((384, 576), (640, 1536), (200, 200), (2048, 2048))
-CHECK_ROWS = (1, 2, 5, 16)
+CHECK_ROWS = (2, 5, 8, 16, 64)
 
 
 def check(dtype, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0) -> tuple[bool, str]:

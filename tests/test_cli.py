@@ -135,6 +135,37 @@ def test_bench_runs_drafter_variants_side_by_side(tmp_path):
     assert_one_line_error(bad, "KEY=VALUE")
 
 
+def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):
+    """`bench --drafters none` sizes no passes, so it starts at once: no pass-cost measurement (on a
+    GPU that is a minute of compiling and timing passes). A drafter's row still measures it."""
+    import json
+    import os
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["what is it?"]}) + "\n")
+    (tmp_path / "humaneval").mkdir()
+    (tmp_path / "humaneval" / "HumanEval.jsonl").write_text(
+        json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n"}) + "\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    costs = tmp_path / "cache" / "cacheback-mlx" / "verify-cost"
+
+    def bench(drafters):
+        return subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "bench", "--model", str(tmp_path / "t.gguf"),
+                               "--data", str(tmp_path), "--per-category", "1", "--max-tokens", "4", "--warmup", "0",
+                               "--no-mlx-lm", "--drafters", drafters],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    r = bench("none")
+    assert r.returncode == 0, r.stderr
+    assert "| overall" in r.stdout and "measuring the cost" not in r.stderr
+    assert not costs.exists() or not any(costs.iterdir())
+    r = bench("none,ngram")
+    assert r.returncode == 0, r.stderr
+    assert "measuring the cost" in r.stderr and any(costs.iterdir())
+
+
 def test_serve_refuses_a_bad_infill_extra_before_loading_anything():
     """--infill-extra takes -1 (all that fit) or more: anything else is click's usage error (exit 2),
     its last line naming the option, with no traceback and no model loaded."""

@@ -147,6 +147,20 @@ def test_reference_is_one_matmul_per_row():
     assert [rows_matmul.lane_width(k) for k in (576, 1536, 200)] == [2, 4, 1]
 
 
+def test_the_check_compiles_every_build_a_pass_can_use():
+    """MLX compiles each build of a custom CUDA kernel in every process: a pass of any 2..MAX_ROWS
+    rows must use a build the first-use check has compiled and compared, at every lane width, with
+    its rows both filling the build and not."""
+    builds = {rows_matmul.rmax(r) for r in range(2, rows_matmul.MAX_ROWS + 1)}
+    assert builds == set(rows_matmul.RMAX_BUILDS)
+    for b in builds:
+        checked = [r for r in rows_matmul.CHECK_ROWS if rows_matmul.rmax(r) == b]
+        assert b in checked and min(checked) < b
+    assert {rows_matmul.lane_width(k) for _, k in rows_matmul.CHECK_SHAPES} == {1, 2, 4}
+    with pytest.raises(StopIteration):
+        rows_matmul.rmax(rows_matmul.MAX_ROWS + 1)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_rows_matmul_has_the_one_row_bits(dtype):

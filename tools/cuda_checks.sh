@@ -2,23 +2,23 @@
 # The GPU measurements of docs/BENCHMARKS.md §15 in one run, for a machine with MLX's CUDA backend
 # (`pip install "mlx[cuda]"` in the venv), each step under a time limit so one that hangs does not
 # take the others with it:
-#   1. `doctor --model default`: the backend, the prompt layout and in which dtypes output is exact;
-#   2. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
+#   1. the exact-rows matmul's first-use check per dtype, timed (MLX compiles its builds in every
+#      process: this is what each process pays before its first pass);
+#   2. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
+#   3. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
-#   3. the same with verify passes on cuDNN's attention (CACHEBACK_MLX_CUDNN_PASSES=1);
-#   4. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time).
+#   4. the same with the kernels off (CACHEBACK_MLX_KERNELS=0);
+#   5. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time).
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
-# LIMIT (seconds a step may run, default 240). MLX keeps its compiled kernels in
-# MLX_PTX_CACHE_DIR (default OUT/ptx), so a second run starts faster.
+# LIMIT (seconds a step may run, default 240).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$OUT/ptx}
 PY=${PYTHON:-.venv/bin/python}
 TOKENS=${TOKENS:-128}
 LIMIT=${LIMIT:-240}
@@ -36,9 +36,17 @@ step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 git log --oneline -1
+step kernel_check "$PY" -c "
+import time, cacheback_mlx, mlx.core as mx
+from cacheback_mlx import kernels
+for d in (mx.float16, mx.bfloat16, mx.float32):
+    t = time.perf_counter()
+    ok = kernels.usable(d)
+    print(d, 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
+"
 step doctor "$PY" -m cacheback_mlx.cli doctor --model default
 BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TOKENS" --dtype float16
        --drafters none,auto)
 step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"
-CACHEBACK_MLX_CUDNN_PASSES=1 step bench_float16_cudnn "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_cudnn.json"
+CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
 step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8
