@@ -8,7 +8,9 @@
 #   3. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
 #   4. the same with the kernels off (CACHEBACK_MLX_KERNELS=0);
-#   5. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time).
+#   5. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
+#   6. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time):
+#      such runs have waited 33-42 s before it on an H100 host.
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
@@ -50,3 +52,5 @@ BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TO
 step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"
 CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
 step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8
+step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 0 \
+    -n 16 --dtype float16 --drafters none --no-mlx-lm
