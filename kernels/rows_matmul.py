@@ -25,16 +25,18 @@ WARP, ROWS_PER_BLOCK = 32, 8  # as MLX's gemv: a warp per weight row, 8 warps a 
 
 HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# x: [R, K], w: [N, K] (both row-contiguous), out: [R, N]; template T (dtype), RMAX (the most rows
-# this build takes: R <= RMAX, read from x's shape at run time), NPT (columns a lane loads at once:
-# 4 when K % 128 == 0, 2 when K % 64 == 0, else 1, as the gemv). A row's own sum sees the same
-# float operations in the same order whatever RMAX is: rows past R are skipped, never computed.
+# x: [R, K], w: [N, K] (both row-contiguous), out: [R, N]; template T (dtype) and RMAX (the most rows
+# this build takes). Read at run time: R (x's rows, R <= RMAX) and the columns a lane loads at
+# once, NPT: 4 when K % 128 == 0, 2 when K % 64 == 0, else 1, as the gemv chooses them. A row's sum
+# sees the same float operations in the same order whatever RMAX is (rows past R are skipped,
+# never computed) and whether NPT is fixed at build time or read at run time.
 SOURCE = """
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
     const int n_rows = w_shape[0];
     const int cols = w_shape[1];
     const int rows = x_shape[0];
+    const int npt = (cols % 128 == 0) ? 4 : ((cols % 64 == 0) ? 2 : 1);
     const int row = blockIdx.x * 8 + threadIdx.y;
     if (row < n_rows) {
         float sums[RMAX];
@@ -43,19 +45,23 @@ SOURCE = """
             sums[r] = 0.0f;
         }
         const T* wrow = w + (size_t)row * cols;
-        for (int col = NPT * warp.thread_rank(); col < cols; col += 32 * NPT) {
-            float m[NPT];
+        for (int col = npt * warp.thread_rank(); col < cols; col += 32 * npt) {
+            float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int j = 0; j < NPT; ++j) {
-                m[j] = static_cast<float>(wrow[col + j]);
+            for (int j = 0; j < 4; ++j) {
+                if (j < npt) {
+                    m[j] = static_cast<float>(wrow[col + j]);
+                }
             }
 #pragma unroll
             for (int r = 0; r < RMAX; ++r) {
                 if (r < rows) {
                     const T* xr = x + (size_t)r * cols + col;
 #pragma unroll
-                    for (int j = 0; j < NPT; ++j) {
-                        sums[r] += m[j] * static_cast<float>(xr[j]);
+                    for (int j = 0; j < 4; ++j) {
+                        if (j < npt) {
+                            sums[r] += m[j] * static_cast<float>(xr[j]);
+                        }
                     }
                 }
             }
@@ -73,9 +79,10 @@ SOURCE = """
 """
 
 # MLX compiles each template instance of a custom CUDA kernel with NVRTC in every process (~2 s
-# each on an H100 host; it keeps only its own kernels on disk), so rows are not a template
-# parameter: two builds a lane width take every pass of 2-64 rows, and `check` compiles them all
-# before the first pass instead of one per row count in the middle of a decoding.
+# each on an H100 host; it keeps only its own kernels on disk), so only the dtype and a bound on
+# the rows are template parameters: two builds a dtype take every pass of 2-64 rows at any lane
+# width, and `check` compiles both before the first pass instead of one per row count and lane
+# width in the middle of a decoding.
 RMAX_BUILDS = (8, MAX_ROWS)
 
 
@@ -96,15 +103,15 @@ def _get_kernel():
 
 
 def lane_width(k: int) -> int:
-    """Columns a lane loads at once, as MLX's gemv chooses them (its inputs are aligned)."""
+    """Columns a lane loads at once, as MLX's gemv chooses them (its inputs are aligned); the
+    kernel works it out from K the same way."""
     return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
 
 
 def rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [R, K] @ w [N, K].T -> [R, N] on a CUDA GPU, 1 <= R <= MAX_ROWS, float16/bfloat16/float32."""
-    r, k = x.shape
-    n = w.shape[0]
-    return _get_kernel()(inputs=[x, w], template=[("T", x.dtype), ("RMAX", rmax(r)), ("NPT", lane_width(k))],
+    r, n = x.shape[0], w.shape[0]
+    return _get_kernel()(inputs=[x, w], template=[("T", x.dtype), ("RMAX", rmax(r))],
                          grid=(WARP * ((n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK), ROWS_PER_BLOCK, 1),
                          threadgroup=(WARP, ROWS_PER_BLOCK, 1), output_shapes=[(r, n)], output_dtypes=[x.dtype])[0]
 

@@ -10,7 +10,7 @@
 #   4. the same with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   5. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
 #   6. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time):
-#      such runs have waited 33-42 s before it on an H100 host.
+#      such runs waited 33-42 s before it on an H100 host, most of it the kernels' check (compiling).
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
