@@ -16,6 +16,7 @@ same bits: `Grouping` checks that on the first passes, and keeps to one call per
 from __future__ import annotations
 
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -37,22 +38,60 @@ def _keys_seen(seen: np.ndarray, row: int, cached: int) -> np.ndarray:
     return np.concatenate([np.arange(cached), cached + np.flatnonzero(seen[row])]).astype(np.int32)
 
 
-def _one_row(stock, queries, keys, values, cache, scale, sinks, seen, row, cached):
-    cols = np.flatnonzero(seen[row])
-    if cols.size and cols[-1] == cols.size - 1:  # pass rows 0..k: a slice, as in the step
-        k, v = keys[:, :, : cached + cols.size], values[:, :, : cached + cols.size]
+class _Plan:
+    """What the rows of one pass see, worked out once and shared by all its layers (each layer
+    would build the same index arrays again: 30 layers x 64 rows of them at the default model's
+    size): per row, how many of the buffer's first keys it sees, or the indices of those it sees
+    (a tree row); the rows grouped by how many keys they see; each group's indices."""
+
+    def __init__(self, seen: np.ndarray, cached: int, real: int):
+        self.seen, self.cached = seen, cached
+        self.keys: list[int | mx.array] = []
+        for row in range(real):
+            cols = np.flatnonzero(seen[row])
+            if cols.size and cols[-1] == cols.size - 1:  # pass rows 0..k: a slice, as in the step
+                self.keys.append(cached + cols.size)
+            else:
+                self.keys.append(mx.array(_keys_seen(seen, row, cached)))
+        counts = seen[:real].sum(axis=1)
+        self.groups = [np.flatnonzero(counts == c) for c in np.unique(counts)]
+        self._group_keys: dict[tuple[int, ...], tuple[mx.array, mx.array]] = {}
+
+    def group_keys(self, rows: list[int]) -> tuple[mx.array, mx.array]:
+        """A group's key indices [G, n] and its rows [G], as device arrays."""
+        key = tuple(rows)
+        if key not in self._group_keys:
+            idx = np.stack([_keys_seen(self.seen, r, self.cached) for r in rows])
+            self._group_keys[key] = (mx.array(idx), mx.array(rows))
+        return self._group_keys[key]
+
+
+_local = threading.local()  # the last pass's plan, per thread (an engine runs its passes in one)
+
+
+def _plan(seen: np.ndarray, cached: int, real: int) -> _Plan:
+    key = (cached, real, seen.shape, seen.tobytes())
+    last = getattr(_local, "last", None)
+    if last is None or last[0] != key:
+        last = _local.last = (key, _Plan(seen, cached, real))
+    return last[1]
+
+
+def _one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
+    seen = plan.keys[row]
+    if isinstance(seen, int):
+        k, v = keys[:, :, :seen], values[:, :, :seen]
     else:
-        idx = mx.array(_keys_seen(seen, row, cached))
-        k, v = mx.take(keys, idx, axis=2), mx.take(values, idx, axis=2)
+        k, v = mx.take(keys, seen, axis=2), mx.take(values, seen, axis=2)
     return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
 
 
-def _group(stock, queries, keys, values, cache, scale, sinks, seen, rows, cached):
+def _group(stock, queries, keys, values, cache, scale, sinks, plan, rows):
     """Rows that see as many keys, as ONE call with the rows as its batch: [len(rows), H, 1, D]."""
-    idx = mx.array(np.stack([_keys_seen(seen, r, cached) for r in rows]))  # [G, n]
+    idx, picked = plan.group_keys(rows)  # [G, n], [G]
     k = mx.take(keys[0], idx, axis=1).transpose(1, 0, 2, 3)  # [Hk, G, n, D] -> [G, Hk, n, D]
     v = mx.take(values[0], idx, axis=1).transpose(1, 0, 2, 3)
-    q = queries[0][:, mx.array(rows)][:, :, None].transpose(1, 0, 2, 3)  # [G, H, 1, D]
+    q = queries[0][:, picked][:, :, None].transpose(1, 0, 2, 3)  # [G, H, 1, D]
     return stock(q, k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
 
 
@@ -90,22 +129,21 @@ def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real
     seen = visible_rows(mask, cache, T)
     if seen is None:
         return None
-    cached = S - T
     real = T if real is None else min(real, T)
-    args = (stock, queries, keys, values, cache, scale, sinks, seen)
-    counts = seen[:real].sum(axis=1)
-    groups = [np.flatnonzero(counts == c) for c in np.unique(counts)]
+    plan = _plan(seen, S - T, real)
+    args = (stock, queries, keys, values, cache, scale, sinks, plan)
+    groups = plan.groups
     if grouping.ok is False or queries.shape[0] != 1 or all(len(g) == 1 for g in groups):
-        outs = [_one_row(*args, row, cached) for row in range(real)]
+        outs = [_one_row(*args, row) for row in range(real)]
     else:
         parts, order = [], []
         for rows in groups:
             if len(rows) == 1:
-                parts.append(_one_row(*args, int(rows[0]), cached).transpose(2, 1, 0, 3))
+                parts.append(_one_row(*args, int(rows[0])).transpose(2, 1, 0, 3))
             else:
-                out = _group(*args, [int(r) for r in rows], cached)
+                out = _group(*args, [int(r) for r in rows])
                 if grouping.ok is None:
-                    single = mx.concatenate([_one_row(*args, int(r), cached) for r in rows], axis=2)
+                    single = mx.concatenate([_one_row(*args, int(r)) for r in rows], axis=2)
                     grouping.verdict(out.transpose(2, 1, 0, 3), single)
                 parts.append(out)
             order.extend(int(r) for r in rows)

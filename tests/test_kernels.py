@@ -129,6 +129,27 @@ def test_rows_attention_is_the_attention_of_a_chain_and_a_tree():
     assert mx.allclose(tree, _masked(q, keys, values, seen), atol=1e-5).item()
 
 
+def test_a_pass_works_out_what_its_rows_see_once_for_all_its_layers(monkeypatch):
+    """Every layer of a pass sees the same rows: their key indices are built once a pass (not once
+    a layer), and a pass that sees other rows, or more cached keys, gets its own."""
+    built = []
+    real_keys_seen = rows_attention._keys_seen
+    monkeypatch.setattr(rows_attention, "_keys_seen", lambda *a: built.append(a[1]) or real_keys_seen(*a))
+    monkeypatch.setattr(rows_attention.grouping, "ok", False)  # row by row
+    q, keys, values = _attention_inputs(rows=6, cached=20, seed=4)
+    one = np.eye(6, dtype=bool)
+    one[1:, 0] = True
+    other = one.copy()
+    other[5, 3] = True  # another tree of the same size
+    for seen in (one, one, one, other, one):
+        got = rows_attention.rows_attention(_stock, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen), None)
+        assert mx.allclose(got, _masked(q, keys, values, seen), atol=1e-5).item()
+    assert built == [2, 3, 4, 5] * 3  # rows 2..5 are gathered (row 1 sees rows 0..1: a slice); 3 plans
+    q2, keys2, values2 = _attention_inputs(rows=6, cached=21, seed=5)  # one key more: a new plan
+    got = rows_attention.rows_attention(_stock, q2, keys2, values2, TreeCache(one), 32**-0.5, mx.array(one), None)
+    assert mx.allclose(got, _masked(q2, keys2, values2, one), atol=1e-5).item() and len(built) == 16
+
+
 def test_rows_attention_declines_what_it_cannot_split():
     seen = np.tril(np.ones((4, 4), bool))
     assert rows_attention.visible_rows(mx.array(seen), None, 4) is None  # an array mask, no layout
