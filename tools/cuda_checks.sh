@@ -51,6 +51,7 @@ BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TO
        --drafters none,auto)
 step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"
 CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
-step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8
+step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
+    --steps 128 --rounds 5
 step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 0 \
     -n 16 --dtype float16 --drafters none --no-mlx-lm

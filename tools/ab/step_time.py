@@ -12,7 +12,8 @@ mlx-lm's plain step and the engine's passes by rows, and what running steps ahea
    decoding (a backend that plans a kernel per shape plans it again for each).
 2. --steps plain steps one after another, tokens per second: mlx-lm's generate_step (which builds
    each step while the one before runs), the engine's steps with run-ahead off (build, run, read
-   in turn) and on (engine.Engine.set_run_ahead).
+   in turn) and on (engine.Engine.set_run_ahead); --rounds rounds, each in another order, their
+   median and each round's figure.
 
 On a GPU at the default model's size a step is bound by its build, not the device: what makes
 it matter there (docs/BENCHMARKS.md, the GPU section). Runs on any backend.
@@ -103,29 +104,34 @@ def pass_table(mx, loaded, cached_lengths, rows_list, repeats):
                           f"{r:.2f} | {b / (b + r):.0%} |")
 
 
-def steps_table(mx, loaded, steps: int, cached: int):
+def steps_table(mx, loaded, steps: int, cached: int, rounds: int):
     from cacheback_mlx.drafters.base import NoDrafter
     from cacheback_mlx.engine import Engine
 
     from mlx_lm.generate import generate_step
 
     prompt = [(7 * i + 3) % 1000 + 5 for i in range(cached)]
-    print("| plain steps | tok/s |")
-    print("|---|---:|")
-    for label in ("mlx-lm generate_step", "engine, run-ahead off", "engine, run-ahead on", "mlx-lm generate_step"):
-        if label.startswith("mlx-lm"):
-            gen = generate_step(mx.array(prompt), loaded.model, max_tokens=steps + 1)
-            next(gen)  # the prefill and the first token
-            t0 = time.perf_counter()
-            n = sum(1 for _ in gen)
-        else:
-            engine = Engine(loaded.model, eos_ids=[], drafter=NoDrafter(), context_length=cached + steps + 8,
-                            draft_budget=0, run_ahead=label.endswith("on"))
-            gen = engine.generate(prompt, steps + 1)
-            next(gen)
-            t0 = time.perf_counter()
-            n = sum(len(x) for x in gen)
-        print(f"| {label} | {n / (time.perf_counter() - t0):.1f} |")
+    labels = ("mlx-lm generate_step", "engine, run-ahead off", "engine, run-ahead on")
+    seen = {label: [] for label in labels}
+    for rnd in range(rounds):  # each round in another order: a machine warming up favours none
+        for label in labels[rnd % 3:] + labels[: rnd % 3]:
+            if label.startswith("mlx-lm"):
+                gen = generate_step(mx.array(prompt), loaded.model, max_tokens=steps + 1)
+                next(gen)  # the prefill and the first token
+                t0 = time.perf_counter()
+                n = sum(1 for _ in gen)
+            else:
+                engine = Engine(loaded.model, eos_ids=[], drafter=NoDrafter(), context_length=cached + steps + 8,
+                                draft_budget=0, run_ahead=label.endswith("on"))
+                gen = engine.generate(prompt, steps + 1)
+                next(gen)
+                t0 = time.perf_counter()
+                n = sum(len(x) for x in gen)
+            seen[label].append(n / (time.perf_counter() - t0))
+    print("| plain steps | tok/s, median | each round |")
+    print("|---|---:|---|")
+    for label, rates in seen.items():
+        print(f"| {label} | {statistics.median(rates):.1f} | {' / '.join(f'{r:.1f}' for r in rates)} |")
 
 
 @click.command()
@@ -135,7 +141,9 @@ def steps_table(mx, loaded, steps: int, cached: int):
 @click.option("--rows", default="1,2,8,16,64", help="Rows of the engine's passes, comma-separated.")
 @click.option("--repeats", default=15, show_default=True, help="Timed repeats per pass (after two warm-ups).")
 @click.option("--steps", default=64, show_default=True, help="Plain steps for the tokens-per-second table.")
-def main(model, dtype, cached, rows, repeats, steps):
+@click.option("--rounds", default=3, show_default=True,
+              help="Rounds of the tokens-per-second table, each in another order.")
+def main(model, dtype, cached, rows, repeats, steps, rounds):
     from cacheback_mlx.loader import load
 
     import mlx.core as mx
@@ -144,7 +152,7 @@ def main(model, dtype, cached, rows, repeats, steps):
     print(f"{loaded.name}, {loaded.dtype}, {mx.default_device()}\n")
     pass_table(mx, loaded, [int(c) for c in cached.split(",")], [int(r) for r in rows.split(",")], repeats)
     print()
-    steps_table(mx, loaded, steps, int(cached.split(",")[0]))
+    steps_table(mx, loaded, steps, int(cached.split(",")[0]), rounds)
 
 
 if __name__ == "__main__":
