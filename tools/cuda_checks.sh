@@ -4,6 +4,8 @@
 # take the others with it:
 #   1. the exact-rows matmul's first-use check per dtype, timed (MLX compiles its builds in every
 #      process: this is what each process pays before its first pass);
+#   1b. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
+#      the kernels off and on, and tree rows' keys laid out as a cache slice (tools.ab.gpu_rows);
 #   2. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
 #   3. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
@@ -46,6 +48,7 @@ for d in (mx.float16, mx.bfloat16, mx.float32):
     ok = kernels.usable(d)
     print(d, 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
 "
+step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300
 step doctor "$PY" -m cacheback_mlx.cli doctor --model default
 BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TOKENS" --dtype float16
        --drafters none,auto)

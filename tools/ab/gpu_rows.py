@@ -9,12 +9,19 @@ of several rows gives against one-row decoding steps, kernels on and off.
    have the one-row step's bits (`x[i:i+1] @ w.T`, MLX's gemv).
 2. Per dtype: a prompt prefilled, then T tokens fed one at a time (plain decoding) vs the same T
    tokens in one pass: rows whose logits have equal bits, the largest difference, equal argmax.
+   --long-prompt N adds a prompt of ~N tokens: past 256 keys MLX gives a one-row step cuDNN's
+   attention when its keys are a slice of a cache buffer whose length is a multiple of 256 (its
+   `use_cudnn_for_decoding`), and its own vector kernel otherwise, so a tree row's gathered keys
+   (an array of their own length) may take the other kernel. The variant "slice layout" gathers
+   each such row's keys into ceil(n / 256) * 256 places and attends over the first n, as a cache
+   slice, to see whether that gives the step's bits.
 3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 
 import cacheback_mlx  # noqa: F401 - first: it sets MLX's environment (blas.py, TF32)
 
@@ -67,7 +74,40 @@ def matmul_table(mx, kernels, dtypes, rows):
 
 PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
            "Write a short story about a robot who learns to paint.")
-VARIANTS = (("off", False, False), ("matmul", True, False), ("matmul+attention", True, True))
+VARIANTS = (("off", False, False), ("matmul", True, False), ("matmul+attention", True, True),
+            ("matmul+attention, slice layout", True, True))
+STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many positions
+
+
+def long_text(tokens: int) -> str:
+    """About `tokens` tokens of plain prose (the default model's tokenizer: ~1.05 a word)."""
+    words = ("The river ran past the old mill and the children counted the boats that went by each "
+             "morning before school. ").split()
+    return " ".join(words[i % len(words)] for i in range(int(tokens / 1.05)))
+
+
+@contextmanager
+def slice_layout(attention):
+    """Gathered rows' keys laid out as a slice of a buffer of a multiple of STEP positions."""
+    import mlx.core as mx
+
+    plain = attention._one_row
+
+    def one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
+        seen = plan.keys[row]
+        if isinstance(seen, int):
+            return plain(stock, queries, keys, values, cache, scale, sinks, plan, row)
+        n = seen.size
+        room = -(-n // STEP) * STEP
+        idx = mx.concatenate([seen, mx.zeros((room - n,), dtype=seen.dtype)])
+        k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
+        return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
+
+    attention._one_row = one_row
+    try:
+        yield
+    finally:
+        attention._one_row = plain
 
 
 def _equal_rows(mx, one, many):
@@ -77,10 +117,11 @@ def _equal_rows(mx, one, many):
     return equal, mx.abs(one - many).max().item(), argmax
 
 
-def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8):
+def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS):
     """A chain pass (mlx-lm's caches) and a tree pass (the engine's verify_pass) against one-row
     steps, with the kernels off, the matmul on, and the matmul and row-by-row attention on."""
     from cacheback_mlx.api import load_cached
+    from cacheback_mlx.kernels import attention as rows_attention
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
@@ -99,7 +140,8 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8):
         ModelCache(model)  # routes the model's attention through the engine's (attention.install)
         for name, on, attention in VARIANTS:
             kernels.set_enabled(on, attention)
-            for p, prompt in enumerate(PROMPTS):
+            layout = (lambda: slice_layout(rows_attention)) if "slice layout" in name else nullcontext
+            for p, prompt in enumerate(prompts):
                 ids = lm.tokenizer.encode(prompt)
                 chain = [(ids[-1] * 7 + 13 * i) % 1000 + 100 for i in range(chain_len)]
                 steps = make_prompt_cache(model)
@@ -114,7 +156,9 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8):
                 # a tree: the root (the prompt's last token) and 7 nodes on 3 branches
                 ours = ModelCache(model)
                 prefill(model, ours, ids[:-1])
-                got = verify_pass(model, ours, [ids[-1]], tree)
+                with layout():
+                    got = verify_pass(model, ours, [ids[-1]], tree)
+                    mx.eval(got)
                 want = []
                 for path in [[]] + paths:
                     ref = make_prompt_cache(model)
@@ -212,7 +256,8 @@ def pass_cost(mx, kernels, lm_name, dtype, rows, cached: int = 512, repeats: int
 @click.option("--skip-matmul", is_flag=True)
 @click.option("--matmul-dtypes", default=None, help="dtypes of the matmul table (default: --dtypes)")
 @click.option("--pass-cost", "pass_cost_dtype", default=None, help="also time whole verify passes in this dtype")
-def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype):
+@click.option("--long-prompt", default=0, show_default=True, help="also a prompt of about this many tokens")
+def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype, long_prompt):
     from cacheback_mlx import kernels
 
     import mlx.core as mx
@@ -225,7 +270,9 @@ def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype):
                          [int(r) for r in rows.split(",")])
         except Exception as e:  # noqa: BLE001 - report it and go on to the passes
             print(f"matmul table stopped: {type(e).__name__}: {e}")
-    steps = [lambda: pass_rows(mx, kernels, model, dts), lambda: engine_vs_mlx_lm(mx, model, "float16")]
+    prompts = PROMPTS + ((long_text(long_prompt),) if long_prompt else ())
+    steps = [lambda: pass_rows(mx, kernels, model, dts, prompts=prompts),
+             lambda: engine_vs_mlx_lm(mx, model, "float16")]
     if pass_cost_dtype:
         steps.append(lambda: pass_cost(mx, kernels, model, pass_cost_dtype, [int(r) for r in rows.split(",")]))
     for step in steps:
