@@ -79,6 +79,21 @@ class TreeKVCache(KVCache):
             return create_attention_mask(N, offset=offset, window_size=window_size, return_array=return_array)
         return pass_mask(tp, offset, self.start, N, window_size)
 
+    def update_and_fetch(self, keys, values):
+        """mlx-lm's, except that when the buffers grow they keep every position they had, so their
+        length stays a multiple of `step` (mlx-lm's first cuts them to `offset` when that is not
+        one, which its plain decoding never meets but a rolled-back pass does). MLX's CUDA backend
+        gives a one-query attention over 256 keys or more cuDNN's kernel only when the keys are a
+        slice of such a buffer, and its own vector kernel otherwise: a step after a pass must get
+        the kernel, and so the bits, of mlx-lm's step."""
+        prev, n = self.offset, keys.shape[2]
+        if self.keys is not None and prev + n > self.keys.shape[2] and prev % self.step:
+            grow = -(-(prev + n - self.keys.shape[2]) // self.step) * self.step
+            B, H, _, dk = keys.shape
+            self.keys = mx.concatenate([self.keys, mx.zeros((B, H, grow, dk), keys.dtype)], axis=2)
+            self.values = mx.concatenate([self.values, mx.zeros((B, H, grow, values.shape[3]), values.dtype)], axis=2)
+        return super().update_and_fetch(keys, values)
+
     def can_trim_to(self, length: int) -> bool:
         return True
 

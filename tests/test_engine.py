@@ -53,6 +53,22 @@ def test_greedy_lossless_with_adversarial_drafters(tiny_model):
             assert eng.stats.passes == 48
 
 
+def test_cache_buffers_stay_a_multiple_of_256_positions_through_rollbacks(tiny_model):
+    """Passes that cross a 256-position boundary and are partly rolled back leave the layers'
+    buffers a multiple of 256 long, as mlx-lm's plain decoding keeps them (MLX's CUDA backend picks
+    a one-query attention kernel by that); mlx-lm's own growth, cutting the buffer to `offset`
+    first, would not. Output is unchanged."""
+    prompt = [(7 * i + 3) % 90 for i in range(240)]
+    truth = [int(t) for t, _ in generate_step(mx.array(prompt), tiny_model, max_tokens=60)]
+    eng = Engine(tiny_model, eos_ids=[], drafter=RandomTreeDrafter(prompt, truth, seed=3), context_length=4096,
+                 draft_budget=64)
+    lengths = []
+    eng.watch(lambda event: lengths.extend(c.keys.shape[2] for c in eng.seq.cache.kv))
+    assert [t for step in eng.generate(prompt, 60) for t in step] == truth
+    assert lengths and all(n % 256 == 0 for n in lengths), sorted(set(lengths))
+    assert max(lengths) > 256  # passes went past the first boundary
+
+
 def test_greedy_lossless_with_padding_buckets(tiny_model):
     truth, _ = run(tiny_model, NoDrafter(), n=32)
     out, _ = run(tiny_model, RandomTreeDrafter(PROMPT, truth, seed=3), n=32, draft_budget=40,

@@ -13,8 +13,10 @@ of several rows gives against one-row decoding steps, kernels on and off.
    attention when its keys are a slice of a cache buffer whose length is a multiple of 256 (its
    `use_cudnn_for_decoding`), and its own vector kernel otherwise, so a tree row's gathered keys
    (an array of their own length) may take the other kernel. The variant "slice layout" gathers
-   each such row's keys into ceil(n / 256) * 256 places and attends over the first n, as a cache
-   slice, to see whether that gives the step's bits.
+   each row's keys, past 256 of them, into ceil(n / 256) * 256 places (the buffer mlx-lm's step
+   has at that length) and attends over the first n, as a cache slice, to see whether that gives
+   the step's bits. Then: one query over the same 300 keys laid out as slices of buffers of 512,
+   768 and 556 positions, and as an array of their own: which give the bits of the 512 one.
 3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
 """
 
@@ -95,9 +97,10 @@ def slice_layout(attention):
 
     def one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
         seen = plan.keys[row]
-        if isinstance(seen, int):
+        n = seen if isinstance(seen, int) else seen.size
+        if n < STEP:  # MLX's vector kernel whatever the layout
             return plain(stock, queries, keys, values, cache, scale, sinks, plan, row)
-        n = seen.size
+        seen = mx.arange(n, dtype=mx.int32) if isinstance(seen, int) else seen
         room = -(-n // STEP) * STEP
         idx = mx.concatenate([seen, mx.zeros((room - n,), dtype=seen.dtype)])
         k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
@@ -172,6 +175,37 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
     from cacheback_mlx.kernels import attention
 
     print(f"attention rows grouped by length: {attention.grouping.ok} ({attention.grouping.checked} passes checked)")
+
+
+def layout_bits(mx, dtypes, n: int = 300):
+    """One query over n keys: a slice of a buffer of ceil(n / STEP) * STEP positions (mlx-lm's
+    step), of one STEP more (after a pass rolled back), of a length no multiple of STEP, and the
+    keys as an array of their own: which give the first's bits."""
+    room = -(-n // STEP) * STEP
+    print(f"\none query over {n} keys laid out as: bits equal to those over a slice of a {room} buffer?")
+    print(f"| dtype | slice of {room + STEP} | slice of {n + STEP} | own array |")
+    print("|---|---|---|---|")
+    for dtype in dtypes:
+        q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(1)).astype(dtype)
+        kv = mx.random.normal((2, 1, 3, n, 64), key=mx.random.key(2)).astype(dtype)
+
+        def over(capacity):
+            if capacity is None:
+                k, v = kv[0] + 0, kv[1] + 0
+            else:
+                bufs = [mx.zeros((1, 3, capacity, 64), dtype=dtype) for _ in range(2)]
+                for b, x in zip(bufs, kv):
+                    b[..., :n, :] = x
+                mx.eval(bufs)
+                k, v = bufs[0][..., :n, :], bufs[1][..., :n, :]
+            mx.eval(k, v)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+            mx.eval(out)
+            return out
+
+        ref = over(room)
+        same = [mx.array_equal(over(c), ref).item() for c in (room + STEP, n + STEP, None)]
+        print(f"| {dtype} | " + " | ".join("equal" if e else "differ" for e in same) + " |", flush=True)
 
 
 def tree_path(tree, i: int) -> list[int]:
@@ -271,7 +305,7 @@ def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype, long_
         except Exception as e:  # noqa: BLE001 - report it and go on to the passes
             print(f"matmul table stopped: {type(e).__name__}: {e}")
     prompts = PROMPTS + ((long_text(long_prompt),) if long_prompt else ())
-    steps = [lambda: pass_rows(mx, kernels, model, dts, prompts=prompts),
+    steps = [lambda: pass_rows(mx, kernels, model, dts, prompts=prompts), lambda: layout_bits(mx, dts),
              lambda: engine_vs_mlx_lm(mx, model, "float16")]
     if pass_cost_dtype:
         steps.append(lambda: pass_cost(mx, kernels, model, pass_cost_dtype, [int(r) for r in rows.split(",")]))
