@@ -10,14 +10,14 @@ bit for bit (docs/BENCHMARKS.md §15).
 
 The matmul is checked at its first use in a process, per dtype, against its plain-MLX reference
 (kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than running the
-rows one by one, else it is skipped with one warning (and the row-by-row attention with it). MLX
-compiles a custom CUDA kernel's builds in every process (it keeps only its own on disk), so the
-check compiles every build a pass can use (2 a dtype) up front, none in the middle of a decoding;
-measured when a dtype had 12 builds in the check and up to ~12 more in passes: ~28 s a dtype
-for the check alone on an H100 host. They
-run only inside the engine's verify passes (`verify_pass()`), never in prefill or in plain mlx-lm
-in the same process. CACHEBACK_MLX_KERNELS=0 turns them off, CACHEBACK_MLX_ROWS_ATTENTION=0 the
-attention alone; `cacheback-mlx doctor` shows which run.
+rows one by one, else it is skipped with one warning (and the row-by-row attention with it).
+MLX compiles a custom CUDA kernel's builds in every process (it keeps only its own on disk), so
+the check compiles every build a pass can use (2 a dtype) up front, none in the middle of a
+decoding (when a dtype had 12 builds in the check and up to ~12 more in passes, the check alone
+took ~28 s a dtype on an H100 host). The kernels run only inside the engine's verify passes
+(`verify_pass()`), never in prefill or in plain mlx-lm in the same process.
+CACHEBACK_MLX_KERNELS=0 turns them off, CACHEBACK_MLX_ROWS_ATTENTION=0 the attention alone;
+`cacheback-mlx doctor` shows which run.
 
 `pass_attention` (plain MLX, CUDA, float16/bfloat16): the attention of any other verify pass as MLX's
 own ops rather than cuDNN's kernel, which builds a new plan for every key length, so for nearly
