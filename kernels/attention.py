@@ -8,7 +8,8 @@ those of the pass's rows it sees (for a chain, or a row whose visible pass rows 
 ones, a slice of the buffer, as in the step; for a tree row, gathered).
 
 Plain MLX (one call per row and layer): exact by construction where the kernel's result depends
-only on its inputs' values and shapes, which `tools/ab/gpu_rows.py` checks on the machine. Rows
+only on its inputs' values, shapes and buffers' layout (past 256 keys a row reads a slice of a
+buffer shaped as the step's cache: _Plan), which `tools/ab/gpu_rows.py` checks on the machine. Rows
 that see as many keys may go as one call (the rows as its batch), which must give each row the
 same bits: `Grouping` checks that on the first passes, and keeps to one call per row otherwise.
 """
@@ -38,21 +39,44 @@ def _keys_seen(seen: np.ndarray, row: int, cached: int) -> np.ndarray:
     return np.concatenate([np.arange(cached), cached + np.flatnonzero(seen[row])]).astype(np.int32)
 
 
+STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
+
+
+cache_layout = True  # see _Plan; set_cache_layout
+
+
+def set_cache_layout(on: bool) -> None:
+    """Lay a row's keys out as the one-row step's cache slice past STEP of them (the default), or
+    as an array of their own length (tools.ab.gpu_rows compares the two on a GPU)."""
+    global cache_layout
+    cache_layout = bool(on)
+
+
 class _Plan:
     """What the rows of one pass see, worked out once and shared by all its layers (each layer
     would build the same index arrays again: 30 layers x 64 rows of them at the default model's
-    size): per row, how many of the buffer's first keys it sees, or the indices of those it sees
-    (a tree row); the rows grouped by how many keys they see; each group's indices."""
+    size): per row, the indices of the keys it sees (None: the buffer's first ones, a slice as in
+    the step) and how many; the rows grouped by how many keys they see; each group's indices.
 
-    def __init__(self, seen: np.ndarray, cached: int, real: int):
+    Past STEP keys the layout matters on a CUDA GPU: MLX gives a one-query attention cuDNN's kernel
+    only when its keys are a slice of a buffer whose length is a multiple of STEP, and its own
+    vector kernel otherwise. The one-row step reads a slice of its cache's buffer, which holds the
+    fewest whole STEPs that take its keys (mlx-lm's and the engine's caches grow so), so a row
+    past STEP keys reads a slice of a buffer of that length too: the pass's own buffer where that
+    is its length (`capacity`), else its keys gathered into one."""
+
+    def __init__(self, seen: np.ndarray, cached: int, real: int, capacity: int | None, layout: bool):
         self.seen, self.cached = seen, cached
-        self.keys: list[int | mx.array] = []
+        self.keys: list[tuple[mx.array | None, int]] = []
         for row in range(real):
             cols = np.flatnonzero(seen[row])
-            if cols.size and cols[-1] == cols.size - 1:  # pass rows 0..k: a slice, as in the step
-                self.keys.append(cached + cols.size)
+            n = cached + cols.size
+            room = -(-n // STEP) * STEP if layout and n >= STEP else n
+            if cols.size and cols[-1] == cols.size - 1 and (room == n or room == capacity):
+                self.keys.append((None, n))  # pass rows 0..k: a slice of the pass's buffer
             else:
-                self.keys.append(mx.array(_keys_seen(seen, row, cached)))
+                idx = _keys_seen(seen, row, cached)
+                self.keys.append((mx.array(np.pad(idx, (0, room - n))), n))
         counts = seen[:real].sum(axis=1)
         self.groups = [np.flatnonzero(counts == c) for c in np.unique(counts)]
         self._group_keys: dict[tuple[int, ...], tuple[mx.array, mx.array]] = {}
@@ -69,20 +93,20 @@ class _Plan:
 _local = threading.local()  # the last pass's plan, per thread (an engine runs its passes in one)
 
 
-def _plan(seen: np.ndarray, cached: int, real: int) -> _Plan:
-    key = (cached, real, seen.shape, seen.tobytes())
+def _plan(seen: np.ndarray, cached: int, real: int, capacity: int | None) -> _Plan:
+    key = (cached, real, capacity, cache_layout, seen.shape, seen.tobytes())
     last = getattr(_local, "last", None)
     if last is None or last[0] != key:
-        last = _local.last = (key, _Plan(seen, cached, real))
+        last = _local.last = (key, _Plan(seen, cached, real, capacity, cache_layout))
     return last[1]
 
 
 def _one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
-    seen = plan.keys[row]
-    if isinstance(seen, int):
-        k, v = keys[:, :, :seen], values[:, :, :seen]
-    else:
-        k, v = mx.take(keys, seen, axis=2), mx.take(values, seen, axis=2)
+    idx, n = plan.keys[row]
+    if idx is None:
+        k, v = keys[:, :, :n], values[:, :, :n]
+    else:  # gathered, into a buffer of whole STEPs past STEP keys: attend over its first n
+        k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
     return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
 
 
@@ -130,7 +154,8 @@ def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real
     if seen is None:
         return None
     real = T if real is None else min(real, T)
-    plan = _plan(seen, S - T, real)
+    buffer = getattr(cache, "keys", None)  # the pass's keys are a slice of it (mlx-lm's caches, ours)
+    plan = _plan(seen, S - T, real, buffer.shape[2] if isinstance(buffer, mx.array) else None)
     args = (stock, queries, keys, values, cache, scale, sinks, plan)
     groups = plan.groups
     if grouping.ok is False or queries.shape[0] != 1 or all(len(g) == 1 for g in groups):

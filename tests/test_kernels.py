@@ -150,6 +150,39 @@ def test_a_pass_works_out_what_its_rows_see_once_for_all_its_layers(monkeypatch)
     assert mx.allclose(got, _masked(q2, keys2, values2, one), atol=1e-5).item() and len(built) == 16
 
 
+def test_rows_past_256_keys_read_a_slice_of_a_buffer_of_whole_256_steps(monkeypatch):
+    """Past 256 keys MLX on CUDA picks a one-query attention kernel by the keys' buffer (cuDNN for a
+    slice of a buffer of whole 256-position steps): each row reads its keys as the one-row step
+    reads its cache, a slice of a buffer of the fewest whole steps that hold them: the pass's own
+    where it has that length, else its keys gathered into one. The values are the pass's own."""
+    monkeypatch.setattr(rows_attention.grouping, "ok", False)
+    q, keys, values = _attention_inputs(rows=6, cached=300, seed=6)
+    seen = np.eye(6, dtype=bool)
+    seen[1:, 0] = True
+    seen[4, 2] = True
+    chain = np.tril(np.ones((6, 6), bool))
+
+    class Cache(TreeCache):
+        def __init__(self, host, length):
+            super().__init__(host)
+            self.keys = mx.zeros((1, 2, length, 32))  # the pass's buffer: keys is a slice of it
+
+    def layout(mask, host, length):
+        got = rows_attention.rows_attention(_stock, q, keys, values, Cache(host, length), 32**-0.5, mask, None)
+        assert mx.allclose(got, _masked(q, keys, values, host), atol=1e-5).item()
+        return [None if idx is None else idx.size for idx, _ in rows_attention._local.last[1].keys]
+
+    assert layout("causal", chain, 512) == [None] * 6  # the step's buffer: 512 for 301..306 keys
+    assert layout("causal", chain, 768) == [512] * 6  # a longer one (a pass grew it): gathered into 512
+    assert layout(mx.array(seen), seen, 512) == [None, None, 512, 512, 512, 512]
+    rows_attention.set_cache_layout(False)
+    try:
+        assert layout("causal", chain, 768) == [None] * 6
+        assert layout(mx.array(seen), seen, 512) == [None, None, 302, 302, 303, 302]
+    finally:
+        rows_attention.set_cache_layout(True)
+
+
 def test_rows_attention_declines_what_it_cannot_split():
     seen = np.tril(np.ones((4, 4), bool))
     assert rows_attention.visible_rows(mx.array(seen), None, 4) is None  # an array mask, no layout

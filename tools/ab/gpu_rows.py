@@ -12,11 +12,11 @@ of several rows gives against one-row decoding steps, kernels on and off.
    --long-prompt N adds a prompt of ~N tokens: past 256 keys MLX gives a one-row step cuDNN's
    attention when its keys are a slice of a cache buffer whose length is a multiple of 256 (its
    `use_cudnn_for_decoding`), and its own vector kernel otherwise, so a tree row's gathered keys
-   (an array of their own length) may take the other kernel. The variant "slice layout" gathers
-   each row's keys, past 256 of them, into ceil(n / 256) * 256 places (the buffer mlx-lm's step
-   has at that length) and attends over the first n, as a cache slice, to see whether that gives
-   the step's bits. Then: one query over the same 300 keys laid out as slices of buffers of 512,
-   768 and 556 positions, and as an array of their own: which give the bits of the 512 one.
+   (an array of their own length) would take the other kernel: row-by-row attention lays each
+   row's keys, past 256 of them, out as a slice of ceil(n / 256) * 256 places (the buffer mlx-lm's
+   step has at that length), and the variant "keys of their own length" shows the rows without
+   that. Then: one query over the same 300 keys laid out as slices of buffers of 512, 768 and 556
+   positions, and as an array of their own: which give the bits of the 512 one.
 3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
 """
 
@@ -77,7 +77,7 @@ def matmul_table(mx, kernels, dtypes, rows):
 PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
            "Write a short story about a robot who learns to paint.")
 VARIANTS = (("off", False, False), ("matmul", True, False), ("matmul+attention", True, True),
-            ("matmul+attention, slice layout", True, True))
+            ("matmul+attention, keys of their own length", True, True))
 STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many positions
 
 
@@ -89,28 +89,14 @@ def long_text(tokens: int) -> str:
 
 
 @contextmanager
-def slice_layout(attention):
-    """Gathered rows' keys laid out as a slice of a buffer of a multiple of STEP positions."""
-    import mlx.core as mx
-
-    plain = attention._one_row
-
-    def one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
-        seen = plan.keys[row]
-        n = seen if isinstance(seen, int) else seen.size
-        if n < STEP:  # MLX's vector kernel whatever the layout
-            return plain(stock, queries, keys, values, cache, scale, sinks, plan, row)
-        seen = mx.arange(n, dtype=mx.int32) if isinstance(seen, int) else seen
-        room = -(-n // STEP) * STEP
-        idx = mx.concatenate([seen, mx.zeros((room - n,), dtype=seen.dtype)])
-        k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
-        return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
-
-    attention._one_row = one_row
+def own_length_layout(attention):
+    """Each row's keys as an array of their own length (kernels/attention.py before it laid rows past
+    256 keys out as the step's cache slice)."""
+    attention.set_cache_layout(False)
     try:
         yield
     finally:
-        attention._one_row = plain
+        attention.set_cache_layout(True)
 
 
 def _equal_rows(mx, one, many):
@@ -143,7 +129,7 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
         ModelCache(model)  # routes the model's attention through the engine's (attention.install)
         for name, on, attention in VARIANTS:
             kernels.set_enabled(on, attention)
-            layout = (lambda: slice_layout(rows_attention)) if "slice layout" in name else nullcontext
+            layout = (lambda: own_length_layout(rows_attention)) if "own length" in name else nullcontext
             for p, prompt in enumerate(prompts):
                 ids = lm.tokenizer.encode(prompt)
                 chain = [(ids[-1] * 7 + 13 * i) % 1000 + 100 for i in range(chain_len)]
@@ -152,8 +138,9 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
                 one = mx.stack([model(mx.array([[t]]), cache=steps)[0, -1] for t in chain])
                 cache = make_prompt_cache(model)
                 model(mx.array(ids)[None], cache=cache)
-                with kernels.rows_pass():
+                with kernels.rows_pass(), layout():
                     many = model(mx.array(chain)[None], cache=cache)[0]
+                    mx.eval(many)
                 e, d, a = _equal_rows(mx, one, many)
                 print(f"| {dtype} | {name} | chain | {p} | {e}/{chain_len} | {d:.3g} | {a}/{chain_len} |", flush=True)
                 # a tree: the root (the prompt's last token) and 7 nodes on 3 branches
