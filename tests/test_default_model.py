@@ -44,6 +44,24 @@ def test_plain_engine_matches_mlx_lm(default_model, plain_outputs):
     assert ours == ref
 
 
+def test_passes_rolled_back_across_a_256_position_boundary_match_mlx_lm(default_model):
+    """A 250-token prompt, then draft trees of up to 16 rows across position 256, partly rolled back:
+    the caches grow from mid-buffer (in whole 256-position steps, as mlx-lm's decoding keeps them)
+    and the tokens are mlx-lm's."""
+    from cacheback_mlx.kvcache import TreeKVCache
+
+    from adversarial import RandomTreeDrafter
+
+    prompt = [(11 * i + 7) % 5000 + 100 for i in range(250)]
+    truth = [int(t) for t, _ in generate_step(mx.array(prompt), default_model.model, max_tokens=24)]
+    eng = Engine(default_model.model, [], RandomTreeDrafter(prompt, truth, seed=7, vocab=5000),
+                 default_model.context_length, draft_budget=16)
+    lengths = []
+    eng.watch(lambda event: lengths.extend(c.keys.shape[2] for c in eng.seq.cache.kv if type(c) is TreeKVCache))
+    assert [t for step in eng.generate(prompt, 24) for t in step] == truth
+    assert eng.stats.passes < 24 and max(lengths) == 512 and all(n % 256 == 0 for n in lengths)
+
+
 def test_weights_stored_transposed_match_mlx_lm_on_the_loaded_layout(default_model, plain_outputs, monkeypatch):
     """The loader stores the weights [in, out] for OpenBLAS (blas.transpose_weights): the engine
     on them gives mlx-lm's greedy tokens on the model loaded in its own layout."""

@@ -346,6 +346,26 @@ def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
         assert out == truth, (name, label)
 
 
+def test_passes_rolled_back_across_a_256_position_boundary_equal_mlx_lm(family):
+    """A 250-token prompt, then passes of up to 16 rows that cross position 256 and are partly
+    rolled back: each layer's buffer grows from mid-buffer (kvcache.TreeKVCache keeps whole
+    256-position steps there, as mlx-lm's decoding has them), and the tokens are mlx-lm's."""
+    from cacheback_mlx.kvcache import TreeKVCache
+
+    name, model = family
+    prompt = [(11 * i + 7) % 97 + 1 for i in range(250)]
+    truth = reference(model, prompt, 24)
+    for label, d in {"random": RandomTreeDrafter(prompt, truth, seed=7),
+                     "oracle-tree": OracleDrafter(prompt, truth, extra_wrong_branches=2)}.items():
+        eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=16)
+        lengths = []
+        eng.watch(lambda event: lengths.extend(c.keys.shape[2] for c in eng.seq.cache.kv
+                                               if type(c) is TreeKVCache and c.keys is not None))
+        out, _ = run(model, d, prompt=prompt, n=24, engine=eng)
+        assert out == truth, (name, label)
+        assert all(n % 256 == 0 for n in lengths), (name, label, sorted(set(lengths)))
+
+
 def test_two_sequences_in_two_slots_equal_mlx_lm(family):
     """Slots on every family (sliding-window, shared-KV and recurrent caches included): two
     sequences edited alternately each continue in their own cache, token for token equal to
