@@ -17,6 +17,7 @@ import time
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
 from cacheback_mlx.kernels import attention
 from cacheback_mlx.positions import TreePass
+from cacheback_mlx.tree import DraftTree
 
 import click
 import mlx.core as mx
@@ -36,15 +37,9 @@ def _stock(q, k, v, cache=None, scale=1.0, mask=None, sinks=None):
 
 
 def random_tree(rows: int, rng) -> np.ndarray:
-    """A random draft tree's visibility: each row sees itself and its ancestors."""
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, rows)]
-    seen = np.eye(rows, dtype=bool)
-    for i in range(1, rows):
-        j = parent[i]
-        while j >= 0:
-            seen[i, j] = True
-            j = parent[j]
-    return seen
+    """A random draft tree's visibility (DraftTree.ancestor_mask): the root and rows - 1 nodes."""
+    parents = [int(rng.integers(-1, i)) for i in range(rows - 1)]  # -1: under the root
+    return DraftTree(np.zeros(rows - 1, dtype=np.int32), np.array(parents)).ancestor_mask()
 
 
 @click.command()
