@@ -163,6 +163,8 @@ def model_config(spec: Spec) -> dict:
 
 
 class _HeadBias:
+    kernels_may_wrap = True  # as_linear adds to the embedding's own: the GPU kernels may route that (kernels/linear.py)
+
     def as_linear(self, x):
         return super().as_linear(x) + self["head_bias"]
 

@@ -4,13 +4,17 @@
 MLX's one-row matrix-vector kernel, reading each weight once. A decoding step runs that one-row
 kernel; cuBLAS, which MLX runs for several rows, rounds differently, so in float16 and bfloat16 a
 pass could pick another token than plain decoding where two logits nearly tie.
+`rows_qmatmul` (CUDA): the same for quantized layers (mlx-lm's affine 4- and 8-bit layouts), each
+row with the bits of MLX's one-row quantized kernel (qmv), which MLX leaves for its tiled one
+from 8 rows up.
 `attention` (plain MLX, where rows_matmul runs): the pass's attention row by row, each row as the
 one-row step calls MLX's attention. With both, every row of a pass has the one-row step's logits
 bit for bit (docs/BENCHMARKS.md §15).
 
-The matmul is checked at its first use in a process, per dtype, against its plain-MLX reference
-(kernels/rows_matmul.py: `check`): bits equal to the one-row step and faster than running the
-rows one by one, else it is skipped with one warning (and the row-by-row attention with it).
+The matmul is checked at its first use in a process, per dtype (the quantized one per dtype, bits
+and group size), against its plain-MLX reference (`check` in each file): bits equal to the one-row
+step and faster than running the rows one by one, else it is skipped with one warning (and the
+row-by-row attention with it).
 MLX compiles a custom CUDA kernel's builds in every process (it keeps only its own on disk), so
 the check compiles every build a pass can use (2 a dtype) up front, none in the middle of a
 decoding (when a dtype had 12 builds in the check and up to ~12 more in passes, the check alone
@@ -25,8 +29,9 @@ every pass of a decoding (54-94 ms a pass on an H100 at the default model's size
 Not a kernel: CACHEBACK_MLX_CUDNN_PASSES=1 gives those passes back to MLX's choice.
 
 Not covered yet (so not exact in float16/bfloat16 on a GPU there): linear layers with a bias (MLX
-runs even one row of those through cuBLAS), quantized layers (MLX's one-row qmv vs its
-several-row qmm), sliding windows, passes shared by several sequences, Metal. The prompt goes
+runs even one row of those through cuBLAS; a quantized layer adds its bias apart, so those are
+covered), quantized layouts other than affine 4/8 bits, sliding windows, passes shared by several
+sequences, Metal. The prompt goes
 through the model as mlx-lm's generate_step puts it in half precision on a GPU
 (engine.prompt_as_mlx_lm_default), so that the caches hold mlx-lm's bits before the first pass.
 """
@@ -41,7 +46,7 @@ import mlx.core as mx
 
 from . import attention as _attention
 from . import plain_attention as _plain_attention
-from . import rows_matmul
+from . import rows_matmul, rows_qmatmul
 
 ENV = "CACHEBACK_MLX_KERNELS"
 enabled = os.environ.get(ENV, "1") != "0"
@@ -49,7 +54,7 @@ ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
 attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
 CUDNN_ENV = "CACHEBACK_MLX_CUDNN_PASSES"
 cudnn_passes = os.environ.get(CUDNN_ENV, "0") == "1"  # let MLX give verify passes cuDNN's attention
-_checked: dict = {}  # dtype -> (ok, reason), once per process
+_checked: dict = {}  # dtype, or (dtype, bits, group size) for quantized layers -> (ok, reason), once a process
 _local = threading.local()
 
 
@@ -84,7 +89,34 @@ def usable(dtype) -> bool:
     return _checked[dtype][0]
 
 
-VERSION = 2  # part of the verify-cost cache key (costs.cost_path), with what is on
+def usable_quantized(dtype, bits: int, group_size: int) -> bool:
+    """Whether rows_qmatmul runs for quantized layers of this dtype, bits and group size here
+    (checked once, at its first use)."""
+    if not (enabled and on_cuda()) or dtype not in rows_qmatmul.DTYPES:
+        return False
+    key = (dtype, bits, group_size)
+    if key not in _checked:
+        try:
+            _checked[key] = rows_qmatmul.check(dtype, bits, group_size)
+        except Exception as e:  # noqa: BLE001 - as in usable()
+            _checked[key] = (False, f"{type(e).__name__}: {e}")
+        ok, reason = _checked[key]
+        if not ok:
+            print(f"cacheback-mlx: exact-rows quantized matmul off for {bits}-bit {dtype}, groups of "
+                  f"{group_size}: {reason}", file=sys.stderr)
+    return _checked[key][0]
+
+
+def _exact_linear(dtype) -> bool:
+    """Whether a pass's linear layers in this dtype have the one-row bits here: a checked kernel,
+    plain or quantized (the row-by-row attention is worth its cost only then)."""
+    quantized = [ok for key, (ok, _) in _checked.items() if isinstance(key, tuple) and key[0] == dtype]
+    if any(quantized):
+        return True
+    return usable(dtype) if not quantized or dtype in _checked else False
+
+
+VERSION = 3  # part of the verify-cost cache key (costs.cost_path), with what is on
 
 
 def cost_key() -> str:
@@ -111,6 +143,9 @@ def describe() -> str:
         usable(dtype)
         ok, reason = _checked[dtype]
         parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")
+    for key, (ok, reason) in _checked.items():
+        if isinstance(key, tuple):
+            parts.append(f"{key[1]}-bit {key[0]}, groups of {key[2]}: {'on' if ok else 'off'} ({reason})")
     attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
     return ("exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
             + f"; other passes' attention: {other}")
@@ -128,8 +163,9 @@ def exactness() -> str:
     f32 = ("float32 (TF32 off)" if os.environ.get("MLX_ENABLE_TF32") == "0"
            else "not float32 while TF32 is on (MLX_ENABLE_TF32=1)")
     if enabled and attention_enabled and usable(mx.float16) and usable(mx.bfloat16):
-        half = ("float16/bfloat16 in plain linear layers and attention (kernels on), not yet in quantized or "
-                "biased linear layers, sliding windows or passes shared by several requests")
+        half = ("float16/bfloat16 in plain and affine 4/8-bit quantized linear layers and attention (kernels "
+                "on; quantized ones once checked at first use), not yet in biased plain linear layers, sliding "
+                "windows or passes shared by several requests")
     else:
         half = ("not float16/bfloat16 (without both kernels on, a pass of several rows rounds differently "
                 "from a one-row step)")
@@ -165,10 +201,26 @@ def exact_rows(x: mx.array, w: mx.array) -> mx.array | None:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+def exact_rows_quantized(x: mx.array, layer) -> mx.array | None:
+    """x @ the quantized layer's weight.T (before its bias) through rows_qmatmul when it applies
+    here (a verify pass, 2..MAX_ROWS rows, a checked dtype, bits and group size), else None."""
+    if not in_rows_pass() or x.ndim < 2:
+        return None
+    rows = x.size // x.shape[-1]
+    w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    bits, group_size = layer.bits, layer.group_size
+    if (not 2 <= rows <= rows_qmatmul.MAX_ROWS
+            or not rows_qmatmul.applies(x, w, scales, biases, bits, group_size, getattr(layer, "mode", "affine"))
+            or not usable_quantized(x.dtype, bits, group_size)):
+        return None
+    out = rows_qmatmul.rows_qmatmul(x.reshape(rows, x.shape[-1]), w, scales, biases, bits, group_size)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
 def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks):
     """A verify pass's attention row by row as the one-row step runs it (kernels/attention.py),
     on CUDA where the exact-rows matmul runs; None elsewhere (the caller runs the pass's own)."""
-    if not (attention_enabled and in_rows_pass() and usable(queries.dtype)):
+    if not (attention_enabled and in_rows_pass() and _exact_linear(queries.dtype)):
         return None
     return _attention.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks,
                                      getattr(_local, "real", None))
@@ -185,14 +237,19 @@ def pass_attention(queries, keys, values, scale, mask, sinks):
 
 
 def attach(model) -> int:
-    """Route the model's plain linear layers through exact_rows (kernels/linear.py), and check the
-    kernel now for their dtypes rather than in the first pass; returns how many layers."""
+    """Route the model's plain and quantized linear layers through exact_rows /
+    exact_rows_quantized (kernels/linear.py), and check the kernels now for their dtypes (bits and
+    group sizes) rather than in the first pass; returns how many layers."""
     from .linear import convert
 
-    dtypes = convert(model)
-    for dtype in set(dtypes):
-        usable(dtype)
-    return len(dtypes)
+    kinds = convert(model)
+    for kind in set(kinds):
+        if isinstance(kind, tuple):
+            usable_quantized(*kind)
+        else:
+            usable(kind)
+    return len(kinds)
 
 
-__all__ = ["attach", "describe", "exact_rows", "exactness", "pass_attention", "rows_pass", "usable"]
+__all__ = ["attach", "describe", "exact_rows", "exact_rows_quantized", "exactness", "pass_attention", "rows_pass",
+           "usable", "usable_quantized"]

@@ -2,7 +2,9 @@
 
 `convert(model)` gives each plain `nn.Linear` without a bias, and each `nn.Embedding` (a tied
 output head runs `as_linear`), a subclass that asks `exact_rows` first and otherwise runs MLX's
-own matmul. The parameters, their names and everything outside a verify pass stay as they were.
+own matmul; each `nn.QuantizedLinear` and `nn.QuantizedEmbedding` of a layout rows_qmatmul takes
+likewise asks `exact_rows_quantized`. The parameters, their names and everything outside a verify
+pass stay as they were.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from . import exact_rows, in_rows_pass  # (kernels/__init__ imports this file only in attach())
+from . import exact_rows, exact_rows_quantized, in_rows_pass  # (kernels/__init__ imports this file only in attach())
+from .rows_qmatmul import BITS, GROUPS
 
 
 class RowsLinear(nn.Linear):
@@ -33,6 +36,45 @@ class RowsEmbedding(nn.Embedding):
         return x @ self["weight"].T if out is None else out
 
 
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = exact_rows_quantized(x, self) if in_rows_pass() else None
+        if out is None:
+            return super().__call__(x)
+        return out + self["bias"] if "bias" in self else out  # as nn.QuantizedLinear adds it: apart
+
+
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        out = exact_rows_quantized(x, self) if in_rows_pass() else None
+        return super().as_linear(x) if out is None else out
+
+
+def _quantized_kind(m: nn.Module):
+    """(dtype, bits, group size) of a quantized layer rows_qmatmul may take, else None."""
+    if getattr(m, "mode", "affine") != "affine" or m.bits not in BITS or m.group_size not in GROUPS:
+        return None
+    return (m["scales"].dtype, m.bits, m.group_size)
+
+
+_ROUTED = (RowsLinear, RowsEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
+_derived: dict = {}
+
+
+def _rows_class(m: nn.Module, base: type, rows: type):
+    """The class m becomes: `rows` for a plain `base`; for a subclass of `base` that declares
+    `kernels_may_wrap` (its methods add to what the base class's return, as random_models' masked
+    heads do), a class of both; else None (MLX's own ops, as the subclass wrote them)."""
+    cls = type(m)
+    if cls is base:
+        return rows
+    if issubclass(cls, base) and getattr(cls, "kernels_may_wrap", False):
+        if cls not in _derived:
+            _derived[cls] = type("Rows" + cls.__name__, (cls, rows), {})
+        return _derived[cls]
+    return None
+
+
 def _as(cls, module: nn.Module) -> nn.Module:
     """The same module (its parameters and state, by the same names) as an instance of cls."""
     new = cls.__new__(cls)
@@ -42,20 +84,27 @@ def _as(cls, module: nn.Module) -> nn.Module:
     return new
 
 
-def convert(model: nn.Module) -> list[mx.Dtype]:
-    """Route the model's plain linear layers and embeddings through exact_rows; returns their
-    weights' dtypes (one entry per layer converted)."""
-    dtypes = []
+def convert(model: nn.Module) -> list:
+    """Route the model's plain linear layers and embeddings through exact_rows, and its quantized
+    ones of a layout the kernel takes through exact_rows_quantized; returns, per layer converted,
+    its weight's dtype (plain) or (dtype, bits, group size) (quantized)."""
+    kinds = []
 
     def convert(_path, m):
-        if type(m) is nn.Linear and "bias" not in m:
-            dtypes.append(m["weight"].dtype)
-            return _as(RowsLinear, m)
-        if type(m) is nn.Embedding:
-            dtypes.append(m["weight"].dtype)
-            return _as(RowsEmbedding, m)
+        if isinstance(m, _ROUTED):
+            return m
+        if _rows_class(m, nn.Linear, RowsLinear) and "bias" not in m:
+            kinds.append(m["weight"].dtype)
+            return _as(_rows_class(m, nn.Linear, RowsLinear), m)
+        if _rows_class(m, nn.Embedding, RowsEmbedding):
+            kinds.append(m["weight"].dtype)
+            return _as(_rows_class(m, nn.Embedding, RowsEmbedding), m)
+        for base, rows in ((nn.QuantizedLinear, RowsQuantizedLinear), (nn.QuantizedEmbedding, RowsQuantizedEmbedding)):
+            if _rows_class(m, base, rows) and _quantized_kind(m) is not None:
+                kinds.append(_quantized_kind(m))
+                return _as(_rows_class(m, base, rows), m)
         return m
 
     leaves = tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
-    return dtypes
+    return kinds

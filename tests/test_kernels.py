@@ -6,7 +6,7 @@ The checks that need CUDA run only where MLX has it."""
 
 from cacheback_mlx import kernels
 from cacheback_mlx.kernels import attention as rows_attention
-from cacheback_mlx.kernels import linear, plain_attention, rows_matmul
+from cacheback_mlx.kernels import linear, plain_attention, rows_matmul, rows_qmatmul
 from cacheback_mlx.positions import TreePass
 
 import mlx.core as mx
@@ -238,10 +238,10 @@ def test_padding_rows_are_not_attended_row_by_row():
 
 
 @cuda
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_verify_pass_rows_have_the_one_row_bits(dtype):
-    """On a CUDA GPU, a tree pass's logits (matmul kernel + row-by-row attention) equal, bit for
-    bit, those of one-row decoding steps along each node's path."""
+@pytest.mark.parametrize("dtype,bits", [("float16", None), ("bfloat16", None), ("float16", 4), ("bfloat16", 8)])
+def test_verify_pass_rows_have_the_one_row_bits(dtype, bits):
+    """On a CUDA GPU, a tree pass's logits (matmul kernels + row-by-row attention) equal, bit for
+    bit, those of one-row decoding steps along each node's path; plain and quantized weights."""
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
@@ -254,13 +254,21 @@ def test_verify_pass_rows_have_the_one_row_bits(dtype):
     mx.random.seed(1)
     model = llama.Model(args)
     model.set_dtype(getattr(mx, dtype))
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
     kernels.attach(model)
     ids = [5, 17, 42, 7, 99, 3]
-    tree = DraftTree(np.array([11, 12, 13, 14]), np.array([-1, 0, -1, 2]))
+    # 12 rows: past the 8 from which MLX leaves its one-row quantized kernel, and past one block's 8
+    parents = np.array([-1, 0, 1, -1, 3, 0, 5, 6, 2, -1, 9])
+    tree = DraftTree(np.arange(11, 22), parents)
+    paths = [[]]
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent + 1] if parent >= 0 else []) + [node])
     ours = ModelCache(model)
     prefill(model, ours, ids[:-1])
     got = verify_pass(model, ours, [ids[-1]], tree)
-    for row, path in enumerate([[], [0], [0, 1], [2], [2, 3]]):
+    assert got.shape[0] == 12
+    for row, path in enumerate(paths):
         ref = make_prompt_cache(model)
         model(mx.array(ids[:-1])[None], cache=ref)
         for t in [ids[-1]] + [int(tree.tokens[j]) for j in path]:
@@ -315,8 +323,131 @@ def test_doctor_says_in_which_dtypes_output_is_exact(monkeypatch):
     monkeypatch.setattr(kernels, "enabled", True)
     monkeypatch.setattr(kernels, "attention_enabled", True)
     monkeypatch.setenv("MLX_ENABLE_TF32", "0")
-    assert "float32 (TF32 off); float16/bfloat16 in plain linear layers and attention" in kernels.exactness()
+    assert ("float32 (TF32 off); float16/bfloat16 in plain and affine 4/8-bit quantized linear layers and attention"
+            in kernels.exactness())
     monkeypatch.setattr(kernels, "attention_enabled", False)  # the matmul alone leaves half precision inexact
     assert "not float16/bfloat16 (without both kernels on" in kernels.exactness()
     monkeypatch.setenv("MLX_ENABLE_TF32", "1")
     assert kernels.exactness().startswith("exact greedy output (equal to mlx-lm's plain decoding): not float32")
+
+
+class TinyQuantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 128)
+        self.proj = nn.Linear(128, 256, bias=False)
+        self.biased = nn.Linear(256, 128)
+        self.eight = nn.Linear(128, 128, bias=False)
+        self.three = nn.Linear(128, 128, bias=False)
+
+    def __call__(self, ids):
+        h = self.biased(self.proj(self.embed(ids)))
+        return self.embed.as_linear(self.eight(h) + self.three(h))
+
+
+def test_convert_routes_quantized_layers_it_can_take():
+    mx.random.seed(0)
+    model = TinyQuantized()
+    model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: p not in ("eight", "three"))
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, m: p == "eight")
+    nn.quantize(model, group_size=64, bits=3, class_predicate=lambda p, m: p == "three")
+    before = dict(tree_flatten(model.parameters()))
+    ids = mx.array([[1, 2, 3, 4]])
+    want = model(ids)
+    kinds = linear.convert(model)
+    assert sorted(kinds, key=str) == sorted([(mx.float16, 4, 64)] * 3 + [(mx.float16, 8, 32)], key=str)
+    assert isinstance(model.embed, linear.RowsQuantizedEmbedding)
+    assert all(isinstance(m, linear.RowsQuantizedLinear) for m in (model.proj, model.biased, model.eight))
+    assert type(model.three) is nn.QuantizedLinear  # 3 bits: MLX's own
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+    with kernels.rows_pass():
+        got = model(ids)  # no CUDA here: MLX's own quantized matmul, the same bits
+    assert mx.array_equal(want, got).item()
+    assert linear.convert(model) == []
+
+
+def test_the_quantized_kernel_takes_only_what_qmv_takes():
+    w = mx.random.normal((256, 512)).astype(mx.float16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.ones((8, 512), dtype=mx.float16)
+    assert rows_qmatmul.applies(x, wq, scales, biases, 4, 64, "affine")
+    assert not rows_qmatmul.applies(x, wq, scales, None, 4, 64, "affine")  # no biases: not affine
+    assert not rows_qmatmul.applies(x, wq, scales, biases, 4, 64, "mxfp4")
+    assert not rows_qmatmul.applies(x.astype(mx.float32), wq, scales, biases, 4, 64, "affine")
+    assert not rows_qmatmul.applies(x, wq, scales.astype(mx.bfloat16), biases, 4, 64, "affine")
+    assert not rows_qmatmul.applies(mx.ones((8, 520), dtype=mx.float16), wq, scales, biases, 4, 64, "affine")
+    w8, s8, b8 = mx.quantize(w, group_size=128, bits=8)
+    assert rows_qmatmul.applies(x, w8, s8, b8, 8, 128, "affine")
+    assert not rows_qmatmul.applies(x, w8, s8, b8, 4, 128, "affine")  # the layout says 8 bits
+
+
+def test_quantized_reference_is_one_quantized_matmul_per_row():
+    w = mx.random.normal((96, 256))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((5, 256))
+    want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+    assert mx.allclose(rows_qmatmul.reference(x, wq, scales, biases, 4, 64), want, atol=1e-4).item()
+
+
+def test_the_quantized_check_covers_every_case_a_pass_meets():
+    """A block takes 8 of a pass's rows: the first-use check must see one block filled and not,
+    several blocks with the last one filled and not, and the most rows a pass has; weight rows
+    not a multiple of a block's 8; and K with and without a tail past the warp's last whole sweep,
+    for both bit widths."""
+    pr = rows_qmatmul.PASS_ROWS
+    rows = rows_qmatmul.CHECK_ROWS
+    assert any(r < pr for r in rows) and pr in rows and rows_qmatmul.MAX_ROWS in rows
+    assert any(r > pr and r % pr for r in rows) and any(r > pr and r % pr == 0 for r in rows)
+    assert min(rows) >= 2 and max(rows) == rows_qmatmul.MAX_ROWS
+    assert any(n % rows_qmatmul.WEIGHT_ROWS for n, _ in rows_qmatmul.CHECK_SHAPES)
+    for bits in rows_qmatmul.BITS:
+        sweep = 32 * rows_qmatmul.elements(bits)
+        tails = {k % sweep != 0 for _, k in rows_qmatmul.CHECK_SHAPES}
+        assert tails == {True, False}, bits
+        for group in rows_qmatmul.GROUPS:
+            assert all(k % group == 0 for _, k in rows_qmatmul.CHECK_SHAPES)
+
+
+def test_row_by_row_attention_follows_the_linear_layers_checks(monkeypatch):
+    """The attention goes row by row where the pass's linear layers have the one-row bits: a
+    quantized check passed for the dtype is enough, one failed is not, and without quantized ones
+    the plain check decides."""
+    asked = []
+    monkeypatch.setattr(kernels, "usable", lambda dtype: asked.append(dtype) or True)
+    monkeypatch.setattr(kernels, "_checked", {(mx.float16, 4, 64): (True, "")})
+    assert kernels._exact_linear(mx.float16) and not asked
+    monkeypatch.setattr(kernels, "_checked", {(mx.float16, 4, 64): (False, "")})
+    assert not kernels._exact_linear(mx.float16) and not asked
+    monkeypatch.setattr(kernels, "_checked", {})
+    assert kernels._exact_linear(mx.bfloat16) and asked == [mx.bfloat16]
+
+
+@cuda
+@pytest.mark.parametrize("dtype,bits", [(mx.float16, 4), (mx.bfloat16, 4), (mx.float16, 8)])
+def test_rows_qmatmul_has_the_one_row_bits(dtype, bits):
+    ok, reason = rows_qmatmul.check(dtype, bits, 64)
+    assert ok, reason
+
+
+def test_subclasses_are_routed_only_where_they_say_the_kernels_may_wrap_them():
+    class Declared(nn.Embedding):
+        kernels_may_wrap = True
+
+        def as_linear(self, x):
+            return super().as_linear(x) + 1
+
+    class Undeclared(nn.Linear):
+        def __call__(self, x):
+            return super().__call__(x) * 2
+
+    model = nn.Sequential(Declared(32, 16), Undeclared(16, 16, bias=False))
+    ids = mx.array([[1, 2, 3]])
+    want = model.layers[0].as_linear(model(ids))
+    assert linear.convert(model) == [mx.float32]
+    head = model.layers[0]
+    assert isinstance(head, Declared) and isinstance(head, linear.RowsEmbedding)
+    assert type(model.layers[1]) is Undeclared
+    with kernels.rows_pass():
+        assert mx.array_equal(head.as_linear(model(ids)), want).item()

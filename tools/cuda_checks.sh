@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/BENCHMARKS.md §15 in one run, for a machine with MLX's CUDA backend
 # (`pip install "mlx[cuda]"` in the venv), each step under a time limit so one that hangs does not
-# take the others with it:
-#   1. the exact-rows matmul's first-use check per dtype, timed (MLX compiles its builds in every
-#      process: this is what each process pays before its first pass);
-#   1b. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
+# take the others with it, most wanted first, and no step started past a total budget:
+#   1. the exact-rows kernels' first-use checks, timed (MLX compiles their builds in every process:
+#      this is what each process pays before its first pass): plain per dtype, quantized per
+#      dtype and bits (groups of 64);
+#   2. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
 #      the kernels off and on, and tree rows' keys laid out as a cache slice (tools.ab.gpu_rows);
-#   2. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
-#   3. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
+#   3. the same on a 4-bit model (random:llama-3.2-1b:q4, 4 layers), after the quantized matmul
+#      by rows at an 8B model's shapes, 4 and 8 bits, MLX's against the kernel's;
+#   4. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
-#   4. the same with the kernels off (CACHEBACK_MLX_KERNELS=0);
-#   5. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
-#   6. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time):
-#      such runs waited 33-42 s before it on an H100 host, most of it the kernels' check (compiling).
+#   5. `bench` on a Llama-3.1-8B-shaped 4-bit model (random weights: nothing accepted; outputs
+#      equal, and `auto` no slower than `none`), then its verify pass cost by rows;
+#   6. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
+#   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
+#   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
+#   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time).
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
-# LIMIT (seconds a step may run, default 240).
+# LIMIT (seconds a step may run, default 240), TOTAL (no step starts after this many seconds,
+# default 3600).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
@@ -26,10 +31,15 @@ OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-.venv/bin/python}
 TOKENS=${TOKENS:-128}
 LIMIT=${LIMIT:-240}
+TOTAL=${TOTAL:-3600}
 
 step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its end
     local name=$1
     shift
+    if [ "$SECONDS" -ge "$TOTAL" ]; then
+        echo "== $name: skipped (past TOTAL=$TOTAL s)"
+        return
+    fi
     echo "== $name: $*"
     local t0=$SECONDS
     timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
@@ -47,12 +57,24 @@ for d in (mx.float16, mx.bfloat16, mx.float32):
     t = time.perf_counter()
     ok = kernels.usable(d)
     print(d, 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
+for d, bits in ((mx.float16, 4), (mx.bfloat16, 4), (mx.float16, 8)):
+    t = time.perf_counter()
+    ok = kernels.usable_quantized(d, bits, 64)
+    print(d, bits, 'bits', 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
+print(kernels.describe())
 "
 step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300
-step doctor "$PY" -m cacheback_mlx.cli doctor --model default
+Q4=random:llama-3.2-1b:q4:layers=4:vocab=49280
+step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
+    --dtypes float16
 BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TOKENS" --dtype float16
        --drafters none,auto)
 step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"
+Q8B=random:llama-3.1-8b:q4:vocab=49280
+step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
+    --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
+step verify_cost_8b_q4 "$PY" -m cacheback_mlx.cli bench --verify-cost --model "$Q8B" --contexts 512,2048
+step doctor "$PY" -m cacheback_mlx.cli doctor --model default
 CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
 step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
     --steps 128 --rounds 5

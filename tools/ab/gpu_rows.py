@@ -2,7 +2,7 @@
 of several rows gives against one-row decoding steps, kernels on and off.
 
     python -m tools.ab.gpu_rows [--model M] [--dtypes float16,bfloat16] [--rows 1,2,4,8,16,32,64]
-        [--pass-cost float16]
+        [--pass-cost float16] [--qbits 4,8] [--long-prompt N]
 
 1. Per weight shape (the default model's, and an 8B model's) and rows R: ms of one R-row product
    through MLX's matmul (cuBLAS past one row) and through the kernel, and how many of the R rows
@@ -18,6 +18,9 @@ of several rows gives against one-row decoding steps, kernels on and off.
    that. Then: one query over the same 300 keys laid out as slices of buffers of 512, 768 and 556
    positions, and as an array of their own: which give the bits of the 512 one.
 3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
+4. With --qbits 4,8: table 1 for quantized weights (an 8B model's layers and head, groups of 64),
+   MLX's quantized matmul against kernels/rows_qmatmul.py. With --model random:NAME:q4 the passes
+   of 2. run on quantized layers.
 """
 
 from __future__ import annotations
@@ -72,6 +75,42 @@ def matmul_table(mx, kernels, dtypes, rows):
                     t_fast = _per_op_ms(mx, lambda i: rows_matmul.rows_matmul(xs[i], w))
                     print(f"| {dtype} | {model} | [{n}, {k}] | {r} | {t_plain:.4f} | {t_fast:.4f} | {one:.4f} | "
                           f"{same_plain}/{r} | {same_fast}/{r} |", flush=True)
+
+
+QSHAPES = SHAPES["8B"] + ((128256, 4096),)  # an 8B model's layers and its output head
+
+
+def qmatmul_table(mx, dtypes, rows, bits_list, group_size: int = 64):
+    """The same for quantized weights (mlx-lm's affine layout): MLX's quantized matmul of R rows
+    (its one-row qmv below 8 rows, its tiled kernel from 8) against the exact-rows kernel."""
+    from cacheback_mlx.kernels import rows_qmatmul
+
+    print("| dtype | bits | [N, K] | rows | MLX ms | kernel ms | one row ms | MLX rows exact | kernel rows exact |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in dtypes:
+        for bits in bits_list:
+            for n, k in QSHAPES:
+                w = (mx.random.normal((n, k), key=mx.random.key(n + k)) * k**-0.5).astype(dtype)
+                layer = mx.quantize(w, group_size=group_size, bits=bits)
+                del w
+
+                def mlx(x):
+                    return mx.quantized_matmul(x, *layer, transpose=True, group_size=group_size, bits=bits)
+
+                ones = [mx.random.normal((1, k), key=mx.random.key(i)).astype(dtype) for i in range(20)]
+                mx.eval(layer, ones)
+                one = _per_op_ms(mx, lambda i: mlx(ones[i]))
+                for r in rows:
+                    xs = [mx.random.normal((r, k), key=mx.random.key(1000 + i)).astype(dtype) for i in range(20)]
+                    mx.eval(xs)
+                    ref = rows_qmatmul.reference(xs[0], *layer, bits, group_size)
+                    fast = rows_qmatmul.rows_qmatmul(xs[0], *layer, bits, group_size)
+                    same_mlx = mx.all(mlx(xs[0]).view(mx.uint16) == ref.view(mx.uint16), axis=1).sum().item()
+                    same_fast = mx.all(fast.view(mx.uint16) == ref.view(mx.uint16), axis=1).sum().item()
+                    t_mlx = _per_op_ms(mx, lambda i: mlx(xs[i]))
+                    t_fast = _per_op_ms(mx, lambda i: rows_qmatmul.rows_qmatmul(xs[i], *layer, bits, group_size))
+                    print(f"| {dtype} | {bits} | [{n}, {k}] | {r} | {t_mlx:.4f} | {t_fast:.4f} | {one:.4f} | "
+                          f"{same_mlx}/{r} | {same_fast}/{r} |", flush=True)
 
 
 PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
@@ -278,7 +317,8 @@ def pass_cost(mx, kernels, lm_name, dtype, rows, cached: int = 512, repeats: int
 @click.option("--matmul-dtypes", default=None, help="dtypes of the matmul table (default: --dtypes)")
 @click.option("--pass-cost", "pass_cost_dtype", default=None, help="also time whole verify passes in this dtype")
 @click.option("--long-prompt", default=0, show_default=True, help="also a prompt of about this many tokens")
-def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype, long_prompt):
+@click.option("--qbits", default="", help="also the quantized matmul table at these bits (comma list: 4,8)")
+def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype, long_prompt, qbits):
     from cacheback_mlx import kernels
 
     import mlx.core as mx
@@ -291,6 +331,12 @@ def main(model, dtypes, rows, skip_matmul, matmul_dtypes, pass_cost_dtype, long_
                          [int(r) for r in rows.split(",")])
         except Exception as e:  # noqa: BLE001 - report it and go on to the passes
             print(f"matmul table stopped: {type(e).__name__}: {e}")
+    if qbits:
+        try:
+            qmatmul_table(mx, [getattr(mx, d) for d in (matmul_dtypes or dtypes).split(",")],
+                          [int(r) for r in rows.split(",")], [int(b) for b in qbits.split(",")])
+        except Exception as e:  # noqa: BLE001 - report it and go on to the passes
+            print(f"quantized matmul table stopped: {type(e).__name__}: {e}")
     prompts = PROMPTS + ((long_text(long_prompt),) if long_prompt else ())
     steps = [lambda: pass_rows(mx, kernels, model, dts, prompts=prompts), lambda: layout_bits(mx, dts),
              lambda: engine_vs_mlx_lm(mx, model, "float16")]
