@@ -160,3 +160,20 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
                           "do not go together")
     assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "a,b"), "--contexts")
     assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "100000"), "--contexts")
+
+
+def test_the_shipped_recording_is_the_default_models(default_model):
+    """tools/data/streams_seed101 (`bench --record` of the default model, seed 101: what GPU runs
+    take as acceptance without recording first) is of the default model's vocabulary, and its
+    streams replay with drafts accepted."""
+    from pathlib import Path
+
+    from cacheback_mlx.tokenizer import vocab_fingerprint
+
+    rec = R.load_recording(Path(__file__).parent.parent / "tools" / "data" / "streams_seed101")
+    assert rec["fingerprint"] == vocab_fingerprint(default_model.tokenizer)
+    assert rec["seed"] == 101 and len(rec["prompts"]) == 17
+    requests = [q for record in rec["prompts"][:4] for q in R.requests_of(record)]
+    assert all(0 <= t < VOCAB for q in requests for t in q["prompt"] + q["out"])
+    results = replay_requests(lambda: make_drafter("ngram"), requests, budget=7)
+    assert sum(r.tokens for r in results) > sum(r.steps for r in results)

@@ -12,7 +12,9 @@
 #   4. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
 #   5. `bench` on a Llama-3.1-8B-shaped 4-bit model (random weights: nothing accepted; outputs
-#      equal, and `auto` no slower than `none`), then its verify pass cost by rows;
+#      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
+#      default model's acceptance (--forced along tools/data/streams_seed101: a projection); the
+#      pass cost of the same shape in bfloat16;
 #   6. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
@@ -74,6 +76,10 @@ Q8B=random:llama-3.1-8b:q4:vocab=49280
 step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
     --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
 step verify_cost_8b_q4 "$PY" -m cacheback_mlx.cli bench --verify-cost --model "$Q8B" --contexts 512,2048
+step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 \
+    --drafters none,auto --json "$OUT/forced_8b_q4.json"
+step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost --model random:llama-3.1-8b:bf16:vocab=49280 \
+    --dtype bfloat16 --contexts 512,2048
 step doctor "$PY" -m cacheback_mlx.cli doctor --model default
 CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
 step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
