@@ -8,9 +8,10 @@ then added in float and reduced across the warp). Passes of 8 rows or more go to
 quantized matmul instead, which sums in another order: in float16 and bfloat16 near ties flip
 (kernels/rows_matmul.py says the same of plain layers). This kernel runs the qmv's operations for
 each row of a pass, with the same CUTLASS array operations MLX's qmv calls (MLX ships CUTLASS's
-headers for its own run-time compiled kernels), while dequantizing each weight element once: a
-block takes 8 weight rows and up to 8 of the pass's rows, and the blocks of one weight row follow
-one another so that their weights come from the cache.
+headers for its own run-time compiled kernels), while reading each weight once: a warp takes a
+few weight rows and a block a few of the pass's rows (LAYOUT), the blocks of the same weight rows
+follow one another so that their weights come from the cache, and each element of x a lane loads
+serves all its weight rows.
 
 `reference` is the definition in plain MLX (one quantized matmul per row: the qmv itself); `check`
 compares the kernel with it on this machine (kernels/__init__.py decides from that whether it
@@ -24,7 +25,8 @@ import mlx.core as mx
 from .rows_matmul import _median_ms
 
 MAX_ROWS = 64
-WARP, WEIGHT_ROWS, PASS_ROWS = 32, 8, 8  # a warp per weight row, 8 a block; 8 of the pass's rows a block
+WARP, WARPS = 32, 8  # a block's warps
+LAYOUT = (2, 4)  # (weight rows a warp takes, pass rows a block takes): registers for 8 x 16 sums a lane
 BITS, GROUPS, DTYPES = (4, 8), (32, 64, 128), (mx.float16, mx.bfloat16)
 
 HEADER = """
@@ -63,16 +65,18 @@ __device__ __forceinline__ void fma_into(const cutlass::Array<CT, E>& x_vec, con
 """
 
 # x: [R, K] (T), w: [N, K * BITS / 32] (uint32), scales and biases: [N, K / GROUP] (T), out: [R, N].
-# Templates T, BITS, GROUP. A block is 8 warps, one weight row each, over PASS_ROWS rows of x;
-# blockIdx.x = weight block * chunks + chunk. E (elements a lane takes at once) as qmv picks it for
-# 16-bit activations: 16 for 4 bits, 8 for 8. K must be a multiple of E (qmv's own tail reads past
-# K otherwise); the caller sees to it.
+# Templates T, BITS, GROUP, WR (weight rows a warp takes) and PR (pass rows a block takes). A block
+# is 8 warps over 8 * WR weight rows and PR rows of x; blockIdx.x = weight block * chunks + chunk,
+# so the blocks of one weight block follow one another. Each lane loads its E elements of a row
+# of x once for its WR weight rows (the loads of x, not the multiply-adds, bound a warp that takes
+# one), and each of the WR x PR sums sees qmv's operations in qmv's order. E (elements a lane takes
+# at once) as qmv picks it for 16-bit activations: 16 for 4 bits, 8 for 8. K must be a multiple
+# of E (qmv's own tail reads past K otherwise); the caller sees to it.
 SOURCE = """
     using CT = typename cacheback::Cutlass<T>::type;
     using Q = typename cacheback::Quant<BITS>::type;
     using S = typename cacheback::Sum<BITS, CT>::type;
     constexpr int E = (BITS <= 4) ? 16 : 8;
-    constexpr int PR = 8;
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
     const int n = w_shape[0];
@@ -80,28 +84,41 @@ SOURCE = """
     const int rows = x_shape[0];
     const int chunks = (rows + PR - 1) / PR;
     const int chunk = blockIdx.x % chunks;
-    const int row = (blockIdx.x / chunks) * 8 + threadIdx.y;
-    if (row < n) {
+    const int row0 = ((blockIdx.x / chunks) * 8 + threadIdx.y) * WR;
+    if (row0 < n) {
+        const int nw = min(WR, n - row0);
         const int r0 = chunk * PR;
         const int nr = min(PR, rows - r0);
         const int groups = k / GROUP;
-        const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (size_t)row * (k * BITS / 8);
-        const CT* srow = reinterpret_cast<const CT*>(scales) + (size_t)row * groups;
-        const CT* brow = reinterpret_cast<const CT*>(biases) + (size_t)row * groups;
+        const size_t row_bytes = (size_t)k * BITS / 8;
+        const uint8_t* w0 = reinterpret_cast<const uint8_t*>(w) + (size_t)row0 * row_bytes;
+        const CT* s0 = reinterpret_cast<const CT*>(scales) + (size_t)row0 * groups;
+        const CT* b0 = reinterpret_cast<const CT*>(biases) + (size_t)row0 * groups;
         const CT* xs = reinterpret_cast<const CT*>(x) + (size_t)r0 * k;
-        S sums[PR][E] = {};
+        S sums[PR][WR][E] = {};
         auto tile = [&](int idx) {
-            CT scale = srow[idx / GROUP];
-            CT bias = brow[idx / GROUP];
-            auto w_vec = *(reinterpret_cast<const cutlass::Array<Q, E>*>(wrow + idx * BITS / 8));
-            cutlass::NumericArrayConverter<CT, Q, E> converter_tq;
-            cutlass::Array<CT, E> w_dq = converter_tq(w_vec);
-            w_dq = w_dq * CT(scale) + bias;
+            cutlass::Array<CT, E> w_dq[WR];
+#pragma unroll
+            for (int j = 0; j < WR; ++j) {
+                if (j < nw) {
+                    CT scale = s0[(size_t)j * groups + idx / GROUP];
+                    CT bias = b0[(size_t)j * groups + idx / GROUP];
+                    auto w_vec = *(reinterpret_cast<const cutlass::Array<Q, E>*>(w0 + j * row_bytes + idx * BITS / 8));
+                    cutlass::NumericArrayConverter<CT, Q, E> converter_tq;
+                    w_dq[j] = converter_tq(w_vec);
+                    w_dq[j] = w_dq[j] * CT(scale) + bias;
+                }
+            }
 #pragma unroll
             for (int r = 0; r < PR; ++r) {
                 if (r < nr) {
                     auto x_vec = *(reinterpret_cast<const cutlass::Array<CT, E>*>(xs + (size_t)r * k + idx));
-                    cacheback::fma_into<E, CT>(x_vec, w_dq, sums[r]);
+#pragma unroll
+                    for (int j = 0; j < WR; ++j) {
+                        if (j < nw) {
+                            cacheback::fma_into<E, CT>(x_vec, w_dq[j], sums[r][j]);
+                        }
+                    }
                 }
             }
         };
@@ -118,15 +135,18 @@ SOURCE = """
         }
 #pragma unroll
         for (int r = 0; r < PR; ++r) {
-            if (r < nr) {  // the same for the whole warp: every lane takes part in the reduce
-                float s{0};
 #pragma unroll
-                for (int i = 0; i < E; ++i) {
-                    s += sums[r][i];
-                }
-                s = cg::reduce(warp, s, cg::plus<float>{});
-                if (warp.thread_rank() == 0) {
-                    reinterpret_cast<CT*>(out)[(size_t)(r0 + r) * n + row] = static_cast<CT>(s);
+            for (int j = 0; j < WR; ++j) {
+                if (r < nr && j < nw) {  // the same for the whole warp: every lane takes part in the reduce
+                    float s{0};
+#pragma unroll
+                    for (int i = 0; i < E; ++i) {
+                        s += sums[r][j][i];
+                    }
+                    s = cg::reduce(warp, s, cg::plus<float>{});
+                    if (warp.thread_rank() == 0) {
+                        reinterpret_cast<CT*>(out)[(size_t)(r0 + r) * n + row0 + j] = static_cast<CT>(s);
+                    }
                 }
             }
         }
@@ -160,14 +180,16 @@ def applies(x: mx.array, w: mx.array, scales: mx.array, biases, bits: int, group
 
 
 def rows_qmatmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
-                 group_size: int) -> mx.array:
-    """x [R, K] @ dequantized w [N, K].T -> [R, N] on a CUDA GPU, 1 <= R <= MAX_ROWS."""
+                 group_size: int, layout: tuple[int, int] = LAYOUT) -> mx.array:
+    """x [R, K] @ dequantized w [N, K].T -> [R, N] on a CUDA GPU, 1 <= R <= MAX_ROWS. `layout`:
+    (weight rows a warp takes, pass rows a block takes); every layout gives the same bits."""
     r, n = x.shape[0], w.shape[0]
-    chunks = (r + PASS_ROWS - 1) // PASS_ROWS
-    blocks = ((n + WEIGHT_ROWS - 1) // WEIGHT_ROWS) * chunks
+    wr, pr = layout
+    chunks = (r + pr - 1) // pr
+    blocks = ((n + WARPS * wr - 1) // (WARPS * wr)) * chunks
     return _get_kernel()(inputs=[x, w, scales, biases],
-                         template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size)],
-                         grid=(WARP * blocks, WEIGHT_ROWS, 1), threadgroup=(WARP, WEIGHT_ROWS, 1),
+                         template=[("T", x.dtype), ("BITS", bits), ("GROUP", group_size), ("WR", wr), ("PR", pr)],
+                         grid=(WARP * blocks, WARPS, 1), threadgroup=(WARP, WARPS, 1),
                          output_shapes=[(r, n)], output_dtypes=[x.dtype])[0]
 
 
@@ -178,10 +200,10 @@ def reference(x, w, scales, biases, bits: int, group_size: int) -> mx.array:
 
 
 # (N, K): K with and without a tail past the last whole sweep of the warp (K % (32 E)), N not a
-# multiple of the 8 weight rows of a block; the last one big enough to time. Rows: one chunk
-# filled and not, several chunks, the most a pass takes.
-CHECK_SHAPES = ((384, 512), (196, 640), (640, 1536), (2048, 2048))
-CHECK_ROWS = (2, 5, 8, 9, 16, 64)
+# multiple of a block's weight rows nor of a warp's; the last one big enough to time. Rows: one
+# block's chunk filled and not, several chunks, the last filled and not, the most a pass takes.
+CHECK_SHAPES = ((384, 512), (197, 640), (640, 1536), (2048, 2048))
+CHECK_ROWS = (2, 3, 4, 6, 8, 9, 16, 64)
 
 
 def _layer(n: int, k: int, dtype, bits: int, group_size: int, seed: int):
@@ -189,7 +211,8 @@ def _layer(n: int, k: int, dtype, bits: int, group_size: int, seed: int):
     return mx.quantize(w, group_size=group_size, bits=bits)
 
 
-def check(dtype, bits: int, group_size: int, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0):
+def check(dtype, bits: int, group_size: int, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0,
+          layout: tuple[int, int] = LAYOUT):
     """On this machine: does the kernel give the one-row bits for every row, and is it faster than
     running the rows one by one? (ok, reason)"""
     view = mx.uint16
@@ -197,14 +220,14 @@ def check(dtype, bits: int, group_size: int, rows=CHECK_ROWS, shapes=CHECK_SHAPE
         wq, scales, biases = _layer(n, k, dtype, bits, group_size, seed)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.key(seed + n * 7919 + k + 100 + r)).astype(dtype)
-            got = rows_qmatmul(x, wq, scales, biases, bits, group_size)
+            got = rows_qmatmul(x, wq, scales, biases, bits, group_size, layout)
             want = reference(x, wq, scales, biases, bits, group_size)
             if not mx.all(got.view(view) == want.view(view)).item():
                 return False, f"{r} rows of [{n}, {k}] ({bits} bits) differ from the one-row step's bits"
     n, k = shapes[-1]
     wq, scales, biases = _layer(n, k, dtype, bits, group_size, seed + 1)
     x = mx.random.normal((16, k), key=mx.random.key(seed)).astype(dtype)
-    fast = _median_ms(lambda: rows_qmatmul(x, wq, scales, biases, bits, group_size))
+    fast = _median_ms(lambda: rows_qmatmul(x, wq, scales, biases, bits, group_size, layout))
     slow = _median_ms(lambda: reference(x, wq, scales, biases, bits, group_size))
     if fast >= slow:
         return False, f"slower than one row at a time ({fast:.3f} vs {slow:.3f} ms, 16 rows of [{n}, {k}])"

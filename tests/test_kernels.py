@@ -392,16 +392,16 @@ def test_quantized_reference_is_one_quantized_matmul_per_row():
 
 
 def test_the_quantized_check_covers_every_case_a_pass_meets():
-    """A block takes 8 of a pass's rows: the first-use check must see one block filled and not,
-    several blocks with the last one filled and not, and the most rows a pass has; weight rows
-    not a multiple of a block's 8; and K with and without a tail past the warp's last whole sweep,
-    for both bit widths."""
-    pr = rows_qmatmul.PASS_ROWS
+    """A block takes a few of a pass's rows and a warp a few weight rows: the first-use check must
+    see one block's rows filled and not, several blocks with the last one filled and not, and the
+    most rows a pass has; weight rows that fill neither the last block nor its last warp; and K
+    with and without a tail past the warp's last whole sweep, for both bit widths."""
+    wr, pr = rows_qmatmul.LAYOUT
     rows = rows_qmatmul.CHECK_ROWS
     assert any(r < pr for r in rows) and pr in rows and rows_qmatmul.MAX_ROWS in rows
     assert any(r > pr and r % pr for r in rows) and any(r > pr and r % pr == 0 for r in rows)
     assert min(rows) >= 2 and max(rows) == rows_qmatmul.MAX_ROWS
-    assert any(n % rows_qmatmul.WEIGHT_ROWS for n, _ in rows_qmatmul.CHECK_SHAPES)
+    assert any(n % (rows_qmatmul.WARPS * wr) and n % wr for n, _ in rows_qmatmul.CHECK_SHAPES)
     for bits in rows_qmatmul.BITS:
         sweep = 32 * rows_qmatmul.elements(bits)
         tails = {k % sweep != 0 for _, k in rows_qmatmul.CHECK_SHAPES}

@@ -80,13 +80,19 @@ def matmul_table(mx, kernels, dtypes, rows):
 QSHAPES = SHAPES["8B"] + ((128256, 4096),)  # an 8B model's layers and its output head
 
 
+QLAYOUTS = ((2, 4), (1, 8), (4, 4))  # (weight rows a warp takes, pass rows a block takes); the first: the default
+
+
 def qmatmul_table(mx, dtypes, rows, bits_list, group_size: int = 64):
     """The same for quantized weights (mlx-lm's affine layout): MLX's quantized matmul of R rows
-    (its one-row qmv below 8 rows, its tiled kernel from 8) against the exact-rows kernel."""
+    (its one-row qmv below 8 rows, its tiled kernel from 8) against the exact-rows kernel in each
+    of QLAYOUTS (ms; rows with the one-row bits)."""
     from cacheback_mlx.kernels import rows_qmatmul
 
-    print("| dtype | bits | [N, K] | rows | MLX ms | kernel ms | one row ms | MLX rows exact | kernel rows exact |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    names = [f"kernel {wr}x{pr}" for wr, pr in QLAYOUTS]
+    print("| dtype | bits | [N, K] | rows | one row ms | MLX ms | " + " | ".join(f"{n} ms" for n in names)
+          + " | MLX rows exact | " + " | ".join(f"{n} exact" for n in names) + " |")
+    print("|---|---:|---|---:|---:|---:|" + "---:|" * (2 * len(names) + 1))
     for dtype in dtypes:
         for bits in bits_list:
             for n, k in QSHAPES:
@@ -103,14 +109,18 @@ def qmatmul_table(mx, dtypes, rows, bits_list, group_size: int = 64):
                 for r in rows:
                     xs = [mx.random.normal((r, k), key=mx.random.key(1000 + i)).astype(dtype) for i in range(20)]
                     mx.eval(xs)
-                    ref = rows_qmatmul.reference(xs[0], *layer, bits, group_size)
-                    fast = rows_qmatmul.rows_qmatmul(xs[0], *layer, bits, group_size)
-                    same_mlx = mx.all(mlx(xs[0]).view(mx.uint16) == ref.view(mx.uint16), axis=1).sum().item()
-                    same_fast = mx.all(fast.view(mx.uint16) == ref.view(mx.uint16), axis=1).sum().item()
-                    t_mlx = _per_op_ms(mx, lambda i: mlx(xs[i]))
-                    t_fast = _per_op_ms(mx, lambda i: rows_qmatmul.rows_qmatmul(xs[i], *layer, bits, group_size))
-                    print(f"| {dtype} | {bits} | [{n}, {k}] | {r} | {t_mlx:.4f} | {t_fast:.4f} | {one:.4f} | "
-                          f"{same_mlx}/{r} | {same_fast}/{r} |", flush=True)
+                    ref = rows_qmatmul.reference(xs[0], *layer, bits, group_size).view(mx.uint16)
+
+                    def exact(out):
+                        return f"{mx.all(out.view(mx.uint16) == ref, axis=1).sum().item()}/{r}"
+
+                    times, same = [_per_op_ms(mx, lambda i: mlx(xs[i]))], [exact(mlx(xs[0]))]
+                    for lay in QLAYOUTS:
+                        times.append(_per_op_ms(mx, lambda i: rows_qmatmul.rows_qmatmul(xs[i], *layer, bits,
+                                                                                          group_size, lay)))
+                        same.append(exact(rows_qmatmul.rows_qmatmul(xs[0], *layer, bits, group_size, lay)))
+                    print(f"| {dtype} | {bits} | [{n}, {k}] | {r} | {one:.4f} | "
+                          + " | ".join(f"{t:.4f}" for t in times) + " | " + " | ".join(same) + " |", flush=True)
 
 
 PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
