@@ -483,6 +483,10 @@ def doctor(model_spec, drafter, drafter_args):
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
+        from . import kernels
+
+        if kernels.on_cuda() and kernels.enabled:  # the engine checked the kernels its layers take
+            click.echo(f"with this model, {kernels.describe()}")
         click.echo(f"prompt: {info['prompt']}")
         from .sharing import describe, sharing
 

@@ -15,7 +15,8 @@
 #      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
 #      default model's acceptance (--forced along tools/data/streams_seed101: a projection); the
 #      pass cost of the same shape in bfloat16;
-#   6. `doctor --model default`: the backend, the kernels, the prompt layout, which dtypes are exact;
+#   6. `doctor --model default` (and the 4-bit model): the backend, the kernels, the prompt layout,
+#      which dtypes are exact;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
 #   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time).
@@ -81,6 +82,7 @@ step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools
 step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost --model random:llama-3.1-8b:bf16:vocab=49280 \
     --dtype bfloat16 --contexts 512,2048
 step doctor "$PY" -m cacheback_mlx.cli doctor --model default
+step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"
 CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
 step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
     --steps 128 --rounds 5
