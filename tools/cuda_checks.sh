@@ -13,8 +13,8 @@
 #      mlx-lm's tokens on every prompt, `auto` `none`'s;
 #   5. `bench` on a Llama-3.1-8B-shaped 4-bit model (random weights: nothing accepted; outputs
 #      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
-#      default model's acceptance (--forced along tools/data/streams_seed101: a projection); the
-#      pass cost of the same shape in bfloat16;
+#      default model's acceptance (--forced along tools/data/streams_seed101, 64 tokens a turn: a
+#      projection); the pass cost of the same shape in bfloat16;
 #   6. `doctor --model default` (and the 4-bit model): the backend, the kernels, the prompt layout,
 #      which dtypes are exact;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
@@ -77,7 +77,7 @@ Q8B=random:llama-3.1-8b:q4:vocab=49280
 step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
     --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
 step verify_cost_8b_q4 "$PY" -m cacheback_mlx.cli bench --verify-cost --model "$Q8B" --contexts 512,2048
-step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 \
+step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 -n 64 \
     --drafters none,auto --json "$OUT/forced_8b_q4.json"
 step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost --model random:llama-3.1-8b:bf16:vocab=49280 \
     --dtype bfloat16 --contexts 512,2048
