@@ -28,10 +28,13 @@ own ops rather than cuDNN's kernel, which builds a new plan for every key length
 every pass of a decoding (54-94 ms a pass on an H100 at the default model's size, against 8-13 ms).
 Not a kernel: CACHEBACK_MLX_CUDNN_PASSES=1 gives those passes back to MLX's choice.
 
-Not covered yet (so not exact in float16/bfloat16 on a GPU there): linear layers with a bias (MLX
-runs even one row of those through cuBLAS; a quantized layer adds its bias apart, so those are
-covered), quantized layouts other than affine 4/8 bits, sliding windows, passes shared by several
-sequences, Metal. The prompt goes
+`rows_addmm` (plain MLX): a plain linear layer with a bias, which MLX runs through cuBLAS even for
+one row, goes row by row in a pass, each row through the step's own one-row call (a quantized
+layer adds its bias apart, so the quantized kernel covers those).
+
+Not covered yet (so not exact in float16/bfloat16 on a GPU there): quantized layouts other than
+affine 4/8 bits, mixture-of-experts layers, sliding windows, passes shared by several sequences,
+Metal. The prompt goes
 through the model as mlx-lm's generate_step puts it in half precision on a GPU
 (engine.prompt_as_mlx_lm_default), so that the caches hold mlx-lm's bits before the first pass.
 """
@@ -46,7 +49,7 @@ import mlx.core as mx
 
 from . import attention as _attention
 from . import plain_attention as _plain_attention
-from . import rows_matmul, rows_qmatmul
+from . import rows_addmm, rows_matmul, rows_qmatmul
 
 ENV = "CACHEBACK_MLX_KERNELS"
 enabled = os.environ.get(ENV, "1") != "0"
@@ -55,6 +58,7 @@ attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
 CUDNN_ENV = "CACHEBACK_MLX_CUDNN_PASSES"
 cudnn_passes = os.environ.get(CUDNN_ENV, "0") == "1"  # let MLX give verify passes cuDNN's attention
 _checked: dict = {}  # dtype, or (dtype, bits, group size) for quantized layers -> (ok, reason), once a process
+_biased: dict = {}  # dtype -> (ok, reason): biased layers row by row (rows_addmm), once a process
 _local = threading.local()
 
 
@@ -107,6 +111,22 @@ def usable_quantized(dtype, bits: int, group_size: int) -> bool:
     return _checked[key][0]
 
 
+def usable_biased(dtype) -> bool:
+    """Whether a pass's biased plain linear layers of this dtype go row by row here (rows_addmm;
+    checked once, at its first use)."""
+    if not (enabled and on_cuda()) or dtype not in rows_addmm.DTYPES:
+        return False
+    if dtype not in _biased:
+        try:
+            _biased[dtype] = rows_addmm.check(dtype)
+        except Exception as e:  # noqa: BLE001 - as in usable()
+            _biased[dtype] = (False, f"{type(e).__name__}: {e}")
+        if not _biased[dtype][0]:
+            print(f"cacheback-mlx: biased linear layers keep MLX's own matmul for {dtype}: {_biased[dtype][1]}",
+                  file=sys.stderr)
+    return _biased[dtype][0]
+
+
 def _exact_linear(dtype) -> bool:
     """Whether a pass's linear layers in this dtype have the one-row bits here: a checked kernel,
     plain or quantized (the row-by-row attention is worth its cost only then)."""
@@ -146,6 +166,8 @@ def describe() -> str:
     for key, (ok, reason) in _checked.items():
         if isinstance(key, tuple):
             parts.append(f"{key[1]}-bit {key[0]}, groups of {key[2]}: {'on' if ok else 'off'} ({reason})")
+    for dtype, (ok, reason) in _biased.items():
+        parts.append(f"biased layers {dtype}: {'row by row' if ok else 'off'} ({reason})")
     attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
     return ("exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
             + f"; other passes' attention: {other}")
@@ -163,9 +185,9 @@ def exactness() -> str:
     f32 = ("float32 (TF32 off)" if os.environ.get("MLX_ENABLE_TF32") == "0"
            else "not float32 while TF32 is on (MLX_ENABLE_TF32=1)")
     if enabled and attention_enabled and usable(mx.float16) and usable(mx.bfloat16):
-        half = ("float16/bfloat16 in plain and affine 4/8-bit quantized linear layers and attention (kernels "
-                "on; quantized ones once checked at first use), not yet in biased plain linear layers, sliding "
-                "windows or passes shared by several requests")
+        half = ("float16/bfloat16 in plain, biased (row by row) and affine 4/8-bit quantized linear layers and "
+                "attention (kernels on; each kind once checked at first use), not yet in sliding windows or "
+                "passes shared by several requests")
     else:
         half = ("not float16/bfloat16 (without both kernels on, a pass of several rows rounds differently "
                 "from a one-row step)")
@@ -198,6 +220,18 @@ def exact_rows(x: mx.array, w: mx.array) -> mx.array | None:
     if not 2 <= rows <= rows_matmul.MAX_ROWS or not usable(x.dtype):
         return None
     out = rows_matmul.rows_matmul(x.reshape(rows, x.shape[-1]), w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def exact_rows_biased(x: mx.array, w: mx.array, b: mx.array) -> mx.array | None:
+    """x @ w.T + b with each row through the one-row step's own call (rows_addmm) when it applies
+    here (a verify pass, 2..MAX_ROWS rows, a checked dtype), else None."""
+    if not in_rows_pass() or x.ndim < 2 or x.dtype != w.dtype:
+        return None
+    rows = x.size // x.shape[-1]
+    if not 2 <= rows <= rows_addmm.MAX_ROWS or not usable_biased(x.dtype):
+        return None
+    out = rows_addmm.rows_addmm(x.reshape(rows, x.shape[-1]), w, b)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -244,12 +278,14 @@ def attach(model) -> int:
 
     kinds = convert(model)
     for kind in set(kinds):
-        if isinstance(kind, tuple):
+        if isinstance(kind, tuple) and kind[0] == "biased":
+            usable_biased(kind[1])
+        elif isinstance(kind, tuple):
             usable_quantized(*kind)
         else:
             usable(kind)
     return len(kinds)
 
 
-__all__ = ["attach", "describe", "exact_rows", "exact_rows_quantized", "exactness", "pass_attention", "rows_pass",
-           "usable", "usable_quantized"]
+__all__ = ["attach", "describe", "exact_rows", "exact_rows_biased", "exact_rows_quantized", "exactness",
+           "pass_attention", "rows_pass", "usable", "usable_biased", "usable_quantized"]

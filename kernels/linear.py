@@ -1,10 +1,11 @@
-"""Linear layers whose verify passes may run the exact-rows kernel (kernels/__init__.py).
+"""Linear layers whose verify passes may run the exact-rows kernels (kernels/__init__.py).
 
 `convert(model)` gives each plain `nn.Linear` without a bias, and each `nn.Embedding` (a tied
 output head runs `as_linear`), a subclass that asks `exact_rows` first and otherwise runs MLX's
-own matmul; each `nn.QuantizedLinear` and `nn.QuantizedEmbedding` of a layout rows_qmatmul takes
-likewise asks `exact_rows_quantized`. The parameters, their names and everything outside a verify
-pass stay as they were.
+own matmul; each `nn.Linear` with a bias one that asks `exact_rows_biased`; each
+`nn.QuantizedLinear` and `nn.QuantizedEmbedding` of a layout rows_qmatmul takes one that asks
+`exact_rows_quantized`. The parameters, their names and everything outside a verify pass stay as
+they were.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from . import exact_rows, exact_rows_quantized, in_rows_pass  # (kernels/__init__ imports this file only in attach())
+from . import exact_rows, exact_rows_biased, exact_rows_quantized, in_rows_pass  # (kernels/__init__: attach())
 from .rows_qmatmul import BITS, GROUPS
 
 
@@ -28,6 +29,14 @@ class RowsLinear(nn.Linear):
             if out is not None:
                 return out
         return x @ self["weight"].T  # nn.Linear's, without a bias
+
+
+class RowsBiasedLinear(nn.Linear):
+    """nn.Linear with a bias: in a verify pass, each row through the one-row step's own call."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = exact_rows_biased(x, self["weight"], self["bias"]) if in_rows_pass() else None
+        return super().__call__(x) if out is None else out
 
 
 class RowsEmbedding(nn.Embedding):
@@ -57,7 +66,7 @@ def _quantized_kind(m: nn.Module):
     return (m["scales"].dtype, m.bits, m.group_size)
 
 
-_ROUTED = (RowsLinear, RowsEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
+_ROUTED = (RowsLinear, RowsBiasedLinear, RowsEmbedding, RowsQuantizedLinear, RowsQuantizedEmbedding)
 _derived: dict = {}
 
 
@@ -96,6 +105,9 @@ def convert(model: nn.Module) -> list:
         if _rows_class(m, nn.Linear, RowsLinear) and "bias" not in m:
             kinds.append(m["weight"].dtype)
             return _as(_rows_class(m, nn.Linear, RowsLinear), m)
+        if _rows_class(m, nn.Linear, RowsBiasedLinear):
+            kinds.append(("biased", m["weight"].dtype))
+            return _as(_rows_class(m, nn.Linear, RowsBiasedLinear), m)
         if _rows_class(m, nn.Embedding, RowsEmbedding):
             kinds.append(m["weight"].dtype)
             return _as(_rows_class(m, nn.Embedding, RowsEmbedding), m)

@@ -36,9 +36,9 @@ def test_convert_keeps_parameters_and_outputs():
     before = dict(tree_flatten(model.parameters()))
     ids = mx.array([[1, 2, 3, 4]])
     want = model(ids)
-    dtypes = linear.convert(model)
-    assert len(dtypes) == 2  # the embedding and the plain linear; the biased one stays MLX's
-    assert isinstance(model.proj, linear.RowsLinear) and type(model.biased) is nn.Linear
+    kinds = linear.convert(model)
+    assert sorted(kinds, key=str) == sorted([mx.float32, mx.float32, ("biased", mx.float32)], key=str)
+    assert isinstance(model.proj, linear.RowsLinear) and isinstance(model.biased, linear.RowsBiasedLinear)
     after = dict(tree_flatten(model.parameters()))
     assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
     with kernels.rows_pass():
@@ -238,21 +238,26 @@ def test_padding_rows_are_not_attended_row_by_row():
 
 
 @cuda
-@pytest.mark.parametrize("dtype,bits", [("float16", None), ("bfloat16", None), ("float16", 4), ("bfloat16", 8)])
-def test_verify_pass_rows_have_the_one_row_bits(dtype, bits):
+@pytest.mark.parametrize("family,dtype,bits", [("llama", "float16", None), ("llama", "bfloat16", None),
+                                               ("llama", "float16", 4), ("llama", "bfloat16", 8),
+                                               ("qwen2", "float16", None), ("qwen2", "bfloat16", None)])
+def test_verify_pass_rows_have_the_one_row_bits(family, dtype, bits):
     """On a CUDA GPU, a tree pass's logits (matmul kernels + row-by-row attention) equal, bit for
-    bit, those of one-row decoding steps along each node's path; plain and quantized weights."""
+    bit, those of one-row decoding steps along each node's path; plain and quantized weights, and
+    Qwen2's biased attention projections."""
+    import importlib
+
     from cacheback_mlx.kvcache import ModelCache
     from cacheback_mlx.tree import DraftTree
     from cacheback_mlx.verify import prefill, verify_pass
 
-    from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300)
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    args = module.ModelArgs(model_type=family, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300)
     mx.random.seed(1)
-    model = llama.Model(args)
+    model = module.Model(args)
     model.set_dtype(getattr(mx, dtype))
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
@@ -323,8 +328,8 @@ def test_doctor_says_in_which_dtypes_output_is_exact(monkeypatch):
     monkeypatch.setattr(kernels, "enabled", True)
     monkeypatch.setattr(kernels, "attention_enabled", True)
     monkeypatch.setenv("MLX_ENABLE_TF32", "0")
-    assert ("float32 (TF32 off); float16/bfloat16 in plain and affine 4/8-bit quantized linear layers and attention"
-            in kernels.exactness())
+    assert ("float32 (TF32 off); float16/bfloat16 in plain, biased (row by row) and affine 4/8-bit quantized linear "
+            "layers and attention" in kernels.exactness())
     monkeypatch.setattr(kernels, "attention_enabled", False)  # the matmul alone leaves half precision inexact
     assert "not float16/bfloat16 (without both kernels on" in kernels.exactness()
     monkeypatch.setenv("MLX_ENABLE_TF32", "1")
@@ -451,3 +456,28 @@ def test_subclasses_are_routed_only_where_they_say_the_kernels_may_wrap_them():
     assert type(model.layers[1]) is Undeclared
     with kernels.rows_pass():
         assert mx.array_equal(head.as_linear(model(ids)), want).item()
+
+
+def test_biased_rows_go_one_at_a_time_through_the_step_s_call(monkeypatch):
+    """A biased layer's pass rows: each a [1, 1, K] addmm, as the step's (here on the CPU, with the
+    check forced on: the values equal MLX's several-row call's)."""
+    from cacheback_mlx.kernels import rows_addmm
+
+    monkeypatch.setattr(kernels, "usable_biased", lambda dtype: True)
+    calls = []
+    real = mx.addmm
+    monkeypatch.setattr(rows_addmm.mx, "addmm", lambda c, a, b: calls.append(a.shape) or real(c, a, b))
+    layer = nn.Linear(64, 48)
+    x = mx.random.normal((1, 5, 64))
+    want = layer(x)
+    linear.convert(layer_holder := nn.Sequential(layer))
+    calls.clear()
+    with kernels.rows_pass():
+        got = layer_holder.layers[0](x)
+    assert calls == [(1, 1, 64)] * 5
+    assert got.shape == (1, 5, 48) and mx.allclose(got, want, atol=1e-5).item()
+    assert rows_addmm.reference(x[0], layer.weight, layer.bias).shape == (5, 48)
+    calls.clear()
+    with kernels.rows_pass():
+        layer_holder.layers[0](x[:, :1])  # one row: the layer's own call, once
+    assert calls == [(1, 1, 64)]

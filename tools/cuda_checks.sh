@@ -4,7 +4,8 @@
 # take the others with it, most wanted first, and no step started past a total budget:
 #   1. the exact-rows kernels' first-use checks, timed (MLX compiles their builds in every process:
 #      this is what each process pays before its first pass): plain per dtype, quantized per
-#      dtype and bits (groups of 64);
+#      dtype and bits (groups of 64), biased layers row by row; then tests/test_kernels.py, whose
+#      CUDA tests compare tree passes with one-row steps bit for bit (needs pytest);
 #   2. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
 #      the kernels off and on, and tree rows' keys laid out as a cache slice (tools.ab.gpu_rows);
 #   3. the same on a 4-bit model (random:llama-3.2-1b:q4, 4 layers), after the quantized matmul
@@ -64,8 +65,13 @@ for d, bits in ((mx.float16, 4), (mx.bfloat16, 4), (mx.float16, 8)):
     t = time.perf_counter()
     ok = kernels.usable_quantized(d, bits, 64)
     print(d, bits, 'bits', 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
+for d in (mx.float16, mx.bfloat16):
+    t = time.perf_counter()
+    ok = kernels.usable_biased(d)
+    print(d, 'biased', 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
 print(kernels.describe())
 "
+step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
 step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300
 Q4=random:llama-3.2-1b:q4:layers=4:vocab=49280
 step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
