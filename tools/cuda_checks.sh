@@ -25,8 +25,8 @@
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
-# LIMIT (seconds a step may run, default 240), TOTAL (no step starts after this many seconds,
-# default 3600).
+# LIMIT (seconds a step may run, default 240), TOTAL (no step runs past this many seconds from the
+# start, default 3600).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
@@ -44,9 +44,11 @@ step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its
         echo "== $name: skipped (past TOTAL=$TOTAL s)"
         return
     fi
-    echo "== $name: $*"
+    local limit=$((TOTAL - SECONDS))  # no step runs past TOTAL either
+    [ "$limit" -gt "$LIMIT" ] && limit=$LIMIT
+    echo "== $name (limit $limit s): $*"
     local t0=$SECONDS
-    timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "-- rc $? in $((SECONDS - t0)) s"
     tail -n 30 "$OUT/$name.log"
 }
