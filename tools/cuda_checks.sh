@@ -20,7 +20,9 @@
 #      which dtypes are exact;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
-#   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time).
+#   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time);
+#   then the pass-cost tables the runs measured are copied to OUT/verify_cost (for
+#   `tools.scale_projection --cost FILE`: projections from them here, on recordings not run there).
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
@@ -96,3 +98,8 @@ step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1
     --steps 128 --rounds 5
 step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 0 \
     -n 16 --dtype float16 --drafters none --no-mlx-lm
+# the pass-cost tables the runs above measured and kept (tools.scale_projection --cost prices
+# recordings by them offline)
+mkdir -p "$OUT/verify_cost"
+cp "${XDG_CACHE_HOME:-$HOME/.cache}"/cacheback-mlx/verify-cost/*.json "$OUT/verify_cost/" 2> /dev/null
+ls "$OUT/verify_cost"

@@ -7,20 +7,26 @@ per question, its turns in order: learning.start_request, then replay.decode), e
 the model's measured cost table and reported
 to the planner as a measured pass. Plain decoding is priced the same way (one row per token), so
 the ratio is the projected speedup over plain decoding on this machine; MAT is exact. The cost
-table is measured here (at --contexts; it is also printed, relative to one row) and not kept.
+table is measured here (at --contexts; it is also printed, relative to one row) and not kept, or
+read from --cost: a verify-cost file as the engine keeps it (under
+~/.cache/cacheback-mlx/verify-cost/, e.g. one a GPU run brought back: tools/cuda_checks.sh keeps
+them), which projects that machine's speed here; --model then only gives the drafters their
+vocabulary (any size of the shape will do, e.g. layers=1).
 
     .venv/bin/python -m tools.scale_projection --model random:llama-3.2-1b [REC_DIR ...]
-        [--rows auto,auto:budget=7,cacheback] [--contexts 512,2048] [--max-tokens N]
+        [--rows auto,auto:budget=7,cacheback] [--contexts 512,2048] [--max-tokens N] [--cost FILE]
 """
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
-from cacheback_mlx.costs import measure
+from cacheback_mlx.costs import CostTable, from_json, measure
+from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.learning import start_request
 from cacheback_mlx.replay import decode
 
@@ -65,6 +71,23 @@ def cost_lines(cost) -> list[str]:
     return lines
 
 
+def read_cost(path: str) -> CostTable:
+    """A measured table from a verify-cost file; a one-line error for anything else."""
+    try:
+        cost = from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CachebackError(f"cannot read a verify cost from {path}: {e}") from None
+    if not isinstance(cost, CostTable):
+        raise CachebackError(f"{path} holds a cost learned from passes, not a measured table")
+    return cost
+
+
+def cost_origin(path: str) -> str:
+    """What the file says it was measured on: model, device, machine, MLX."""
+    data = json.loads(Path(path).read_text())
+    return ", ".join(str(data[k]) for k in ("model", "device", "cpu", "mlx") if k in data)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recordings", nargs="*", help="`cacheback-mlx bench --record` folders")
@@ -73,13 +96,18 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048", help="cached tokens the pass cost is measured at")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of the measurement (the fastest is kept)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cut each recorded turn to this many tokens")
+    ap.add_argument("--cost", default=None, help="a verify-cost file to price passes by, instead of measuring")
     a = ap.parse_args()
     session = Session(a.model, "none", fixed_budget=True)
     t0 = time.perf_counter()
-    cost = measure(session.loaded.model, contexts=tuple(int(c) for c in a.contexts.split(",")),
-                   repeats=a.repeats, vocab=session.engine.vocab_size)
-    print(f"model {session.loaded.name} ({session.loaded.dtype}); pass cost by rows, x one row "
-          f"(measured in {time.perf_counter() - t0:.0f} s):")
+    if a.cost:
+        cost = read_cost(a.cost)
+        print(f"pass cost by rows, x one row, from {a.cost} ({cost_origin(a.cost)}):")
+    else:
+        cost = measure(session.loaded.model, contexts=tuple(int(c) for c in a.contexts.split(",")),
+                       repeats=a.repeats, vocab=session.engine.vocab_size)
+        print(f"model {session.loaded.name} ({session.loaded.dtype}); pass cost by rows, x one row "
+              f"(measured in {time.perf_counter() - t0:.0f} s):")
     print("\n".join(cost_lines(cost)))
     if not a.recordings:
         return
@@ -104,4 +132,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CachebackError as e:
+        raise SystemExit(f"error: {e}") from None
