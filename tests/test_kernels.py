@@ -211,6 +211,7 @@ def test_the_check_compiles_every_build_a_pass_can_use():
         checked = [r for r in rows_matmul.CHECK_ROWS if rows_matmul.rmax(r) == b]
         assert b in checked and min(checked) < b
     assert {rows_matmul.lane_width(k) for _, k in rows_matmul.CHECK_SHAPES} == {1, 2, 4}
+    assert any(n % rows_matmul.ROWS_PER_BLOCK for n, _ in rows_matmul.CHECK_SHAPES)  # a block's rows not all there
     with pytest.raises(StopIteration):
         rows_matmul.rmax(rows_matmul.MAX_ROWS + 1)
 
