@@ -162,17 +162,18 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
     assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "100000"), "--contexts")
 
 
-def test_the_shipped_recording_is_the_default_models(default_model):
-    """tools/data/streams_seed101 (`bench --record` of the default model, seed 101: what GPU runs
-    take as acceptance without recording first) is of the default model's vocabulary, and its
-    streams replay with drafts accepted."""
+@pytest.mark.parametrize("seed", [101, 102, 103])
+def test_the_shipped_recordings_are_the_default_models(default_model, seed):
+    """tools/data/streams_seed10N (`bench --record` of the default model, seeds 101-103: what GPU
+    runs and tools.scale_projection --cost take as acceptance without recording first) are of the
+    default model's vocabulary, and their streams replay with drafts accepted."""
     from pathlib import Path
 
     from cacheback_mlx.tokenizer import vocab_fingerprint
 
-    rec = R.load_recording(Path(__file__).parent.parent / "tools" / "data" / "streams_seed101")
+    rec = R.load_recording(Path(__file__).parent.parent / "tools" / "data" / f"streams_seed{seed}")
     assert rec["fingerprint"] == vocab_fingerprint(default_model.tokenizer)
-    assert rec["seed"] == 101 and len(rec["prompts"]) == 17
+    assert rec["seed"] == seed and len(rec["prompts"]) == 17
     requests = [q for record in rec["prompts"][:4] for q in R.requests_of(record)]
     assert all(0 <= t < VOCAB for q in requests for t in q["prompt"] + q["out"])
     results = replay_requests(lambda: make_drafter("ngram"), requests, budget=7)
