@@ -16,7 +16,7 @@ and group size), against its plain-MLX reference (`check` in each file): bits eq
 step and faster than running the rows one by one, else it is skipped with one warning (and the
 row-by-row attention with it).
 MLX compiles a custom CUDA kernel's builds in every process (it keeps only its own on disk), so
-the check compiles every build a pass can use (2 a dtype) up front, none in the middle of a
+the check compiles every build a pass can use (2 a dtype; 1 a quantized kind) up front, none in the middle of a
 decoding (when a dtype had 12 builds in the check and up to ~12 more in passes, the check alone
 took ~28 s a dtype on an H100 host). The kernels run only inside the engine's verify passes
 (`verify_pass()`), never in prefill or in plain mlx-lm in the same process.
@@ -34,9 +34,8 @@ layer adds its bias apart, so the quantized kernel covers those).
 
 Not covered yet (so not exact in float16/bfloat16 on a GPU there): quantized layouts other than
 affine 4/8 bits, mixture-of-experts layers, sliding windows, passes shared by several sequences,
-Metal. The prompt goes
-through the model as mlx-lm's generate_step puts it in half precision on a GPU
-(engine.prompt_as_mlx_lm_default), so that the caches hold mlx-lm's bits before the first pass.
+Metal. The prompt goes through the model as mlx-lm's generate_step puts it in half precision on a
+GPU (engine.prompt_as_mlx_lm_default), so that the caches hold mlx-lm's bits before the first pass.
 """
 from __future__ import annotations
 
