@@ -78,9 +78,9 @@ def _rows_class(m: nn.Module, base: type, rows: type):
     if cls is base:
         return rows
     if issubclass(cls, base) and getattr(cls, "kernels_may_wrap", False):
-        if cls not in _derived:
-            _derived[cls] = type("Rows" + cls.__name__, (cls, rows), {})
-        return _derived[cls]
+        if (cls, rows) not in _derived:
+            _derived[cls, rows] = type("Rows" + cls.__name__, (cls, rows), {})
+        return _derived[cls, rows]
     return None
 
 
@@ -94,9 +94,10 @@ def _as(cls, module: nn.Module) -> nn.Module:
 
 
 def convert(model: nn.Module) -> list:
-    """Route the model's plain linear layers and embeddings through exact_rows, and its quantized
-    ones of a layout the kernel takes through exact_rows_quantized; returns, per layer converted,
-    its weight's dtype (plain) or (dtype, bits, group size) (quantized)."""
+    """Route the model's plain linear layers and embeddings through exact_rows, its biased ones
+    through exact_rows_biased and its quantized ones of a layout the kernel takes through
+    exact_rows_quantized; returns, per layer converted, its weight's dtype (plain), ("biased",
+    dtype) or (dtype, bits, group size) (quantized)."""
     kinds = []
 
     def convert(_path, m):

@@ -448,10 +448,15 @@ def test_subclasses_are_routed_only_where_they_say_the_kernels_may_wrap_them():
         def __call__(self, x):
             return super().__call__(x) * 2
 
-    model = nn.Sequential(Declared(32, 16), Undeclared(16, 16, bias=False))
+    class DeclaredLinear(nn.Linear):
+        kernels_may_wrap = True
+
+    model = nn.Sequential(Declared(32, 16), Undeclared(16, 16, bias=False), DeclaredLinear(16, 16, bias=False),
+                          DeclaredLinear(16, 16))
     ids = mx.array([[1, 2, 3]])
     want = model.layers[0].as_linear(model(ids))
-    assert linear.convert(model) == [mx.float32]
+    assert linear.convert(model) == [mx.float32, mx.float32, ("biased", mx.float32)]
+    assert isinstance(model.layers[2], linear.RowsLinear) and isinstance(model.layers[3], linear.RowsBiasedLinear)
     head = model.layers[0]
     assert isinstance(head, Declared) and isinstance(head, linear.RowsEmbedding)
     assert type(model.layers[1]) is Undeclared
