@@ -77,19 +77,24 @@ def set_enabled(on: bool, attention: bool | None = None) -> None:
         attention_enabled = bool(attention)
 
 
+def _once(store: dict, key, check, off: str) -> bool:
+    """A first-use check's verdict, kept in `store` under `key`: check() -> (ok, reason), run once a
+    process; a check that fails or cannot build or run says so once (`off`: what stays MLX's own)."""
+    if key not in store:
+        try:
+            store[key] = check()
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run is skipped, said once
+            store[key] = (False, f"{type(e).__name__}: {e}")
+        if not store[key][0]:
+            print(f"cacheback-mlx: {off}: {store[key][1]}", file=sys.stderr)
+    return store[key][0]
+
+
 def usable(dtype) -> bool:
     """Whether rows_matmul runs for this dtype here (checked once, at its first use)."""
     if not (enabled and on_cuda()) or dtype not in (mx.float16, mx.bfloat16, mx.float32):
         return False
-    if dtype not in _checked:
-        try:
-            _checked[dtype] = rows_matmul.check(dtype)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run is skipped, said once
-            _checked[dtype] = (False, f"{type(e).__name__}: {e}")
-        ok, reason = _checked[dtype]
-        if not ok:
-            print(f"cacheback-mlx: exact-rows matmul off for {dtype}: {reason}", file=sys.stderr)
-    return _checked[dtype][0]
+    return _once(_checked, dtype, lambda: rows_matmul.check(dtype), f"exact-rows matmul off for {dtype}")
 
 
 def usable_quantized(dtype, bits: int, group_size: int) -> bool:
@@ -97,17 +102,8 @@ def usable_quantized(dtype, bits: int, group_size: int) -> bool:
     (checked once, at its first use)."""
     if not (enabled and on_cuda()) or dtype not in rows_qmatmul.DTYPES:
         return False
-    key = (dtype, bits, group_size)
-    if key not in _checked:
-        try:
-            _checked[key] = rows_qmatmul.check(dtype, bits, group_size)
-        except Exception as e:  # noqa: BLE001 - as in usable()
-            _checked[key] = (False, f"{type(e).__name__}: {e}")
-        ok, reason = _checked[key]
-        if not ok:
-            print(f"cacheback-mlx: exact-rows quantized matmul off for {bits}-bit {dtype}, groups of "
-                  f"{group_size}: {reason}", file=sys.stderr)
-    return _checked[key][0]
+    return _once(_checked, (dtype, bits, group_size), lambda: rows_qmatmul.check(dtype, bits, group_size),
+                 f"exact-rows quantized matmul off for {bits}-bit {dtype}, groups of {group_size}")
 
 
 def usable_biased(dtype) -> bool:
@@ -115,15 +111,8 @@ def usable_biased(dtype) -> bool:
     checked once, at its first use)."""
     if not (enabled and on_cuda()) or dtype not in rows_addmm.DTYPES:
         return False
-    if dtype not in _biased:
-        try:
-            _biased[dtype] = rows_addmm.check(dtype)
-        except Exception as e:  # noqa: BLE001 - as in usable()
-            _biased[dtype] = (False, f"{type(e).__name__}: {e}")
-        if not _biased[dtype][0]:
-            print(f"cacheback-mlx: biased linear layers keep MLX's own matmul for {dtype}: {_biased[dtype][1]}",
-                  file=sys.stderr)
-    return _biased[dtype][0]
+    return _once(_biased, dtype, lambda: rows_addmm.check(dtype),
+                 f"biased linear layers keep MLX's own matmul for {dtype}")
 
 
 def _exact_linear(dtype) -> bool:

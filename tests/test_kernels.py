@@ -487,3 +487,15 @@ def test_biased_rows_go_one_at_a_time_through_the_step_s_call(monkeypatch):
     with kernels.rows_pass():
         layer_holder.layers[0](x[:, :1])  # one row: the layer's own call, once
     assert calls == [(1, 1, 64)]
+
+
+def test_a_first_use_check_runs_once_and_a_broken_one_is_off_with_one_line(capsys):
+    store, calls = {}, []
+    assert not kernels._once(store, "k", lambda: calls.append(1) or (False, "bits differ"), "thing off")
+    assert not kernels._once(store, "k", lambda: calls.append(1) or (True, ""), "thing off")
+    assert calls == [1]
+    assert not kernels._once(store, "e", lambda: 1 / 0, "other off")
+    assert store["e"] == (False, "ZeroDivisionError: division by zero")
+    assert capsys.readouterr().err.splitlines() == ["cacheback-mlx: thing off: bits differ",
+                                                    "cacheback-mlx: other off: ZeroDivisionError: division by zero"]
+    assert kernels._once(store, "ok", lambda: (True, "fine"), "never said") and "never" not in capsys.readouterr().err
