@@ -121,7 +121,7 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
     return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
 
 
-def _median_ms(fn, repeats: int = 15) -> float:
+def median_ms(fn, repeats: int = 15) -> float:
     mx.eval(fn())
     times = []
     for _ in range(repeats):
@@ -153,7 +153,7 @@ def check(dtype, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0) -> tuple[b
     n, k = shapes[-1]
     w = mx.random.normal((n, k), key=key).astype(dtype)
     x = mx.random.normal((16, k), key=key).astype(dtype)
-    fast, slow = _median_ms(lambda: rows_matmul(x, w)), _median_ms(lambda: reference(x, w))
+    fast, slow = median_ms(lambda: rows_matmul(x, w)), median_ms(lambda: reference(x, w))
     if fast >= slow:
         return False, f"slower than one row at a time ({fast:.3f} vs {slow:.3f} ms, 16 rows of [{n}, {k}])"
     return True, f"bits equal to the one-row step; 16 rows of [{n}, {k}] {fast:.3f} ms vs {slow:.3f} ms row by row"
