@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/BENCHMARKS.md §15 in one run, for a machine with MLX's CUDA backend
-# (`pip install "mlx[cuda]"` in the venv), each step under a time limit so one that hangs does not
-# take the others with it, most wanted first, and no step started past a total budget:
+# (`pip install "mlx[cuda]"` in the venv; on a host that reaches no package index, the site
+# `tools/offline_site.sh` packs, with PYTHON=python3), each step under a time limit so one that
+# hangs does not take the others with it, most wanted first, and no step started past a total budget:
 #   1. the exact-rows kernels' first-use checks, timed (MLX compiles their builds in every process:
 #      this is what each process pays before its first pass): plain per dtype, quantized per
 #      dtype and bits (groups of 64), biased layers row by row; then tests/test_kernels.py, whose
