@@ -1,6 +1,7 @@
 """The auto drafter (merged sources, scored nodes) and the per-step draft budget (budget.py)."""
 
 import json
+import math
 import random
 
 from cacheback_mlx import costs
@@ -309,6 +310,31 @@ def test_scores_converge_on_sources_with_known_acceptance_rates():
         scorer.update([f], rng.random() < rates[f])
     for f, p in rates.items():
         assert scorer.p([f]) == pytest.approx(p, abs=0.04), f
+
+
+@pytest.mark.parametrize("floor", [0.03, 0.0])  # the default (its table ends at the floor); none
+def test_scorer_steps_are_the_plain_gradient_rule_bit_for_bit(floor):
+    """Scorer.update writes p() and the step sizes out (it runs for every labelled node): the
+    weights after many updates equal, bit for bit, those of the rule written plainly, past the end
+    of the step-size table too (a few features used thousands of times)."""
+    rng = random.Random(1)
+    feats = [("src", k) for k in range(4)] + [("depth", d) for d in range(3)]
+    scorer = Scorer({("src", 0): 0.5}, floor=floor)
+    w, n, bias, bias_n = {("src", 0): 0.5}, {}, -1.0, 0
+    rate = lambda k: max(floor, 0.5 / math.sqrt(k))
+    for _ in range(3000):
+        fs = rng.sample(feats, rng.randint(1, 4))
+        hit = rng.random() < 0.4
+        z = bias + sum(w.get(f, 0.0) for f in fs)
+        g = float(hit) - (1.0 / (1.0 + math.exp(-z)) if z > -30 else 0.0)
+        bias_n += 1
+        bias += g * rate(bias_n)
+        for f in fs:
+            n[f] = n.get(f, 0) + 1
+            w[f] = w.get(f, 0.0) + g * rate(n[f])
+        scorer.update(fs, hit)
+    assert scorer.w == w and scorer.n == n and (scorer.bias, scorer.bias_n) == (bias, bias_n)
+    assert scorer.p(feats[:3]) == 1.0 / (1.0 + math.exp(-scorer.logit(feats[:3])))
 
 
 def test_every_candidate_is_labelled_against_the_model_s_tokens():

@@ -84,14 +84,18 @@ class _Trie:
         self.add_all(parent, (tokens,), source, strength, weight)
 
     def add_all(self, parent: int, continuations: Sequence[Sequence[int]], source: str, first: int = 0,
-                weight: int = 1) -> None:
-        """add() for each continuation, the k-th with strength first + k (a table's followers of
-        the parent's token, by rank): in one call, as a lookup adds dozens."""
+                weight: int = 1, weights: Sequence[int] | None = None) -> None:
+        """add() for each continuation, in one call, as a lookup or a retrieval adds dozens: the k-th
+        with strength first + k (a table's followers of the parent's token, by rank), or with
+        `weights` (a retrieval's continuations, identical ones grouped: how many times each came)
+        each with strength `first` and its own weight."""
         child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
         tokens, parents = self.tokens, self.parents
         counts = self.count.setdefault(source, {}) if source in RETRIEVED else None
         top = 0 if parent < 0 else depth[parent]
-        for strength, cont in enumerate(continuations, first):
+        ranked = weights is None
+        for k, cont in enumerate(continuations):
+            strength, w = (first + k, weight) if ranked else (first, weights[k])
             node, d = parent, top
             for j, t in enumerate(cont):
                 d += 1
@@ -110,10 +114,10 @@ class _Trie:
                     if old is None or strength > old[0]:
                         ev[source] = (strength, j)
                 if counts is not None:
-                    counts[nxt] = counts.get(nxt, 0) + weight
+                    counts[nxt] = counts.get(nxt, 0) + w
                 node = nxt
             if counts is not None and parent < 0 and cont:
-                counts[-1] = counts.get(-1, 0) + weight
+                counts[-1] = counts.get(-1, 0) + w
 
     def features(self, i: int) -> list:
         """The node's features for the scorer: what each source says about it, which sources
@@ -263,8 +267,7 @@ class AutoDrafter(Drafter):
         grouped: dict[tuple, int] = {}
         for cont in conts:
             grouped[cont] = grouped.get(cont, 0) + 1
-        for cont, w in grouped.items():
-            trie.add(-1, cont, source, n, w)
+        trie.add_all(-1, list(grouped), source, n, weights=list(grouped.values()))
 
     def _table_followers(self, token: int) -> list[tuple[str, list]]:
         """The followers of `token` in Cacheback's tables, labelled by source (dyn, frz)."""

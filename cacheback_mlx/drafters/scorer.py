@@ -39,9 +39,11 @@ class Scorer:
         self.n: dict[Feature, int] = {}
         self.bias, self.bias_n = bias, 0
         self.step, self.floor = step, floor
-        # _rate(k) for every k until it is the floor (at most 2^16 of them)
+        # _rate(k) for every k until it is the floor (at most 2^16 of them); past the table, the
+        # floor itself where the table reaches it, else _rate
         last = min(int((step / floor) ** 2) + 2 if floor > 0 else 1 << 16, 1 << 16)
         self._rates = [0.0] + [self._rate(k) for k in range(1, last)]
+        self._tail = floor if floor > 0 and self._rate(last) == floor else None
 
     # -- kept between runs (auto.py saves it beside SSD's store) ------------------------
     def state(self, min_uses: int = 2) -> dict:
@@ -71,19 +73,22 @@ class Scorer:
         return self.bias + sum(map(self.w.get, feats, repeat(0.0)))  # (each weight, 0 if unseen)
 
     def p(self, feats: Sequence[Feature]) -> float:
-        z = self.logit(feats)
+        z = self.bias + sum(map(self.w.get, feats, repeat(0.0)))  # logit(), written out: hot
         return 1.0 / (1.0 + math.exp(-z)) if z > -30 else 0.0
 
     def update(self, feats: Sequence[Feature], accepted: bool) -> None:
-        """One gradient step of the log-likelihood for one labelled node."""
-        g = float(accepted) - self.p(feats)
-        n, w, rates, rate = self.n, self.w, self._rates, self._rate
-        self.bias_n += 1
-        self.bias += g * (rates[self.bias_n] if self.bias_n < len(rates) else rate(self.bias_n))
+        """One gradient step of the log-likelihood for one labelled node (p() and the step sizes
+        written out here: it runs for every labelled node of every pass)."""
+        n, w, rates = self.n, self.w, self._rates
+        z = self.bias + sum(map(w.get, feats, repeat(0.0)))
+        g = float(accepted) - (1.0 / (1.0 + math.exp(-z)) if z > -30 else 0.0)
+        tail, top = self._tail, len(rates)
+        k = self.bias_n = self.bias_n + 1
+        self.bias += g * (rates[k] if k < top else tail if tail is not None else self._rate(k))
         for f in feats:
             k = n.get(f, 0) + 1
             n[f] = k
-            w[f] = w.get(f, 0.0) + g * (rates[k] if k < len(rates) else rate(k))
+            w[f] = w.get(f, 0.0) + g * (rates[k] if k < top else tail if tail is not None else self._rate(k))
 
     def _rate(self, k: int) -> float:
         """The step size after k uses (the table _rates holds it for the first uses)."""
