@@ -75,7 +75,9 @@ fi
 if [ ! -e "$SITE/.complete" ]; then
     rm -rf "$SITE" && mkdir -p "$SITE"
     cat $(awk '{print "'"$STAGE"'/" $2}' "$HERE/SHA256SUMS") | xz -d | tar -C "$SITE" -xf -
-    nvidia=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2> /dev/null || true)
+    # MLX's CUDA library looks for the CUDA libraries at SITE/nvidia/<name>/lib (its RPATH)
+    nvidia=$(python3 -c "import nvidia, os; print(next(p for p in nvidia.__path__ if os.path.isdir(p + '/cublas')))" \
+        2> /dev/null || true)
     [ -n "$nvidia" ] && [ ! -e "$SITE/nvidia" ] && ln -s "$nvidia" "$SITE/nvidia"
     touch "$SITE/.complete"
 fi
