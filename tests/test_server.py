@@ -415,6 +415,27 @@ def test_a_prompt_longer_than_the_context_is_cut_from_the_left(tiny_server):
     assert short.json()["truncated"] is False
 
 
+def test_token_limits_past_the_context_are_taken_and_the_reply_stops_where_it_ends(tiny_server):
+    """Clients ask for 8,192 tokens or more (agents, long answers) whatever the model's context:
+    every protocol takes any limit a 32-bit int holds, and -1 (llama.cpp, Ollama), and the reply
+    ends at the end of the context (256 tokens here), as llama.cpp's and mlx-lm's servers do."""
+    post = lambda path, body: httpx.post(f"{tiny_server}{path}", headers=AUTH, timeout=120, json=body)
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 256
+    r = post("/v1/completions", {"prompt": "x = ", "max_tokens": 2**31 - 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 256 - 4, r.text
+    for n in (-1, 100_000):
+        r = post("/completion", {"prompt": "x = ", "n_predict": n})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens_evaluated"] + r.json()["tokens_predicted"] <= 256
+    r = post("/api/generate", {"prompt": "x = ", "stream": False, "options": {"num_predict": 100_000}})
+    assert r.status_code == 200 and r.json()["eval_count"] <= 256, r.text
+    r = post("/v1/completions", {"prompt": "x = ", "max_tokens": 2**31})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
 def test_the_api_cuts_only_when_asked():
     from cacheback_mlx.api import truncate_left
 

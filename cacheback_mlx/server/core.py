@@ -34,7 +34,10 @@ from ..fim import CompletionRules, InfillBuilder
 from ..sampling import SamplingParams
 from .batching import BatchRunner
 
-MAX_TOKENS = 4096
+# The most tokens a request may ask for (a 32-bit int, as clients send): any limit is taken and the
+# reply stops where the context ends, as llama.cpp's, Ollama's and mlx-lm's servers do; clients ask
+# for 8,192 or more (agents, long answers) on models whose context holds that.
+TOKEN_LIMIT = 2**31 - 1
 
 
 def no_lone_surrogates(value: Any) -> None:
@@ -436,8 +439,9 @@ class Context:
         return self.session.loaded.name
 
     def max_tokens(self, n: int | None, default: int) -> int:
-        """A client's token limit: None -> default, -1 -> as many as fit (llama.cpp's -1)."""
-        return default if n is None else MAX_TOKENS if n < 0 else n
+        """A client's token limit: None -> default, -1 -> as many as fit (llama.cpp's -1); the
+        engine stops at the end of the context either way."""
+        return default if n is None else self.session.loaded.context_length if n < 0 else n
 
     def infill_job(self, sampling: Sampling, prefix: str, suffix: str, extra: list[dict], prompt: str,
                    n_predict: int, n_indent: int = 0, t_max_predict_ms: float | None = None) -> tuple[Job, bool]:

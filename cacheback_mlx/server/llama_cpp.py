@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from ..fim import CompletionRules
-from .core import MAX_TOKENS, Context, Job, Lenient, Sampling, encode_text, error
+from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text, error
 
 
 class Chunk(Lenient):
@@ -32,7 +32,7 @@ class Chunk(Lenient):
 
 
 class LlamaParams(Sampling):
-    n_predict: int = Field(128, ge=-1, le=MAX_TOKENS)
+    n_predict: int = Field(128, ge=-1, le=TOKEN_LIMIT)
     n_indent: int = Field(0, ge=0)
     t_max_predict_ms: float | None = Field(None, ge=0)
     n_cmpl: int = Field(1, ge=1, le=16)

@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 from pydantic import Field, model_validator
 
 from ..errors import CachebackError
-from .core import MAX_TOKENS, Context, Job, Lenient, Sampling, encode_text
+from .core import Context, Job, Lenient, Sampling, encode_text
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
 
@@ -59,7 +59,7 @@ class OllamaRequest(Lenient):
 
     def limit(self, ctx: Context) -> int:
         n = self.options.num_predict
-        return ctx.max_tokens(-1 if n is None or n < 0 else min(n, MAX_TOKENS), MAX_TOKENS)
+        return ctx.max_tokens(-1 if n is None or n < 0 else n, -1)  # -1 / -2: until EOS or the context ends
 
 
 class GenerateRequest(OllamaRequest):

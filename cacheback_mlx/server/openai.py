@@ -15,14 +15,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from .core import MAX_TOKENS, Context, Job, Lenient, Sampling, encode_text
+from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
 
 
 class OpenAIParams(Sampling):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
-    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # llama.cpp's name
+    max_tokens: int | None = Field(None, ge=0, le=TOKEN_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=0, le=TOKEN_LIMIT)
+    n_predict: int | None = Field(None, ge=-1, le=TOKEN_LIMIT)  # llama.cpp's name
     n: int = Field(1, ge=1, le=16)
     t_max_predict_ms: float | None = Field(None, ge=0)
 
