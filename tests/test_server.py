@@ -436,6 +436,28 @@ def test_token_limits_past_the_context_are_taken_and_the_reply_stops_where_it_en
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
+def test_a_stream_asked_for_its_usage_ends_with_a_chunk_of_usage_and_no_choices(tiny_server):
+    """OpenAI's protocol: with stream_options.include_usage the usage comes in a chunk of its own
+    after the one with the finish reason, its choices empty (clients index choices[0] of every
+    other chunk); without it the finish chunk carries the usage, as before."""
+    def events(path, body):
+        with httpx.stream("POST", f"{tiny_server}{path}", headers=AUTH, timeout=60, json=body) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(x) for x in lines[:-1]]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "x = ", "max_tokens": 6,
+                                                                             "stream": True})):
+        asked = events(path, body | {"stream_options": {"include_usage": True}})
+        assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] > 0
+        assert asked[-2]["choices"][0]["finish_reason"] and "usage" not in asked[-2]
+        assert all(e["choices"] and "usage" not in e for e in asked[:-1])
+        plain = events(path, body)
+        assert plain[-1]["choices"][0]["finish_reason"]  # the same request again (its prompt now cached)
+        assert all(plain[-1]["usage"][k] == asked[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+
+
 def test_the_api_cuts_only_when_asked():
     from cacheback_mlx.api import truncate_left
 

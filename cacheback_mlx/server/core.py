@@ -399,16 +399,19 @@ class Generator:
                 return runs[:i]
         return runs
 
-    async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict],
+    async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict | list[dict]],
                      done_marker: bool) -> AsyncIterator[str]:
-        """Server-sent events: one per piece, the last with done=True; ends on disconnect."""
+        """Server-sent events: one per piece, the last with done=True (`event` may make several of
+        it); ends on disconnect."""
         try:
             async with aclosing(self.pieces(request, job)) as pieces:
                 async for piece in pieces:
                     if piece:
                         yield f"data: {json.dumps(event(piece, False))}\n\n"
             if job.timings and not await request.is_disconnected():
-                yield f"data: {json.dumps(event('', True))}\n\n"
+                last = event('', True)
+                for out in last if isinstance(last, list) else [last]:
+                    yield f"data: {json.dumps(out)}\n\n"
         except CachebackError as e:
             yield (f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}"
                    "\n\n")

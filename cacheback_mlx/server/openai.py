@@ -3,6 +3,9 @@
 
 llama.cpp's extensions that editors send on these routes are honoured too: `n_predict` (0 on chat is
 llama.vim's warm-up: prefill the messages and answer with an empty message), `t_max_predict_ms`.
+A stream's last chunk carries the usage (as llama.cpp's did, and clients that never ask for it read
+it there); with `stream_options: {"include_usage": true}` the usage comes in a chunk of its own
+after it, with no choices, as OpenAI's protocol says.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ from pydantic import Field
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
 
 
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
 class OpenAIParams(Sampling):
     model: str | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=0, le=TOKEN_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=0, le=TOKEN_LIMIT)
     n_predict: int | None = Field(None, ge=-1, le=TOKEN_LIMIT)  # llama.cpp's name
@@ -85,9 +93,14 @@ def router(ctx: Context) -> APIRouter:
         if req.stream and job.max_tokens:
             chunk = obj if kind == "text" else "chat.completion.chunk"
 
-            def event(piece: str, done: bool) -> dict:
+            def event(piece: str, done: bool) -> dict | list[dict]:
                 out = head | {"object": chunk, "choices": [choice(piece, 0, done, job, True)]}
-                return out | {"usage": usage(job), "timings": job.timings} | (extra or {}) if done else out
+                if not done:
+                    return out
+                stats = {"usage": usage(job), "timings": job.timings} | (extra or {})
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    return [out, head | {"object": chunk, "choices": []} | stats]
+                return out | stats
 
             return StreamingResponse(gen.stream(request, job, event, done_marker=True), media_type="text/event-stream")
         runs = await gen.complete(request, job, req.n)
