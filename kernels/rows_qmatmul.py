@@ -31,6 +31,16 @@ BITS, GROUPS, DTYPES = (4, 8), (32, 64, 128), (mx.float16, mx.bfloat16)
 
 HEADER = """
 #include <cooperative_groups/reduce.h>
+// Under NVRTC the CUDA std headers MLX's kernels include define these as macros, and CUTLASS's
+// floating_point_nvrtc.h declares them as enumerators (MLX's own run-time compiled CUTLASS kernels
+// undefine them the same way)
+#if defined(__CUDACC_RTC__)
+#undef FP_NAN
+#undef FP_INFINITE
+#undef FP_ZERO
+#undef FP_SUBNORMAL
+#undef FP_NORMAL
+#endif
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
