@@ -77,6 +77,16 @@ def set_enabled(on: bool, attention: bool | None = None) -> None:
         attention_enabled = bool(attention)
 
 
+def one_line(e: Exception) -> str:
+    """An exception as one line: a compiler's log (NVRTC's, many lines) cut to its first error."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    if len(lines) <= 1:
+        return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    error = next((x for x in lines if "error" in x), lines[0])
+    head = lines[0] if error is lines[0] else f"{lines[0]} {error}"
+    return f"{type(e).__name__}: {head} (and {len(lines) - 1 - (error is not lines[0])} more lines)"
+
+
 def _once(store: dict, key, check, off: str) -> bool:
     """A first-use check's verdict, kept in `store` under `key`: check() -> (ok, reason), run once a
     process; a check that fails or cannot build or run says so once (`off`: what stays MLX's own)."""
@@ -84,7 +94,7 @@ def _once(store: dict, key, check, off: str) -> bool:
         try:
             store[key] = check()
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run is skipped, said once
-            store[key] = (False, f"{type(e).__name__}: {e}")
+            store[key] = (False, one_line(e))
         if not store[key][0]:
             print(f"cacheback-mlx: {off}: {store[key][1]}", file=sys.stderr)
     return store[key][0]

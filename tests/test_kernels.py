@@ -41,6 +41,9 @@ def test_convert_keeps_parameters_and_outputs():
     assert isinstance(model.proj, linear.RowsLinear) and isinstance(model.biased, linear.RowsBiasedLinear)
     after = dict(tree_flatten(model.parameters()))
     assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+    if mx.cuda.is_available():  # the kernels run there: a pass's rows get the one-row call's bits
+        rows = [model(ids[:, i : i + 1]) for i in range(ids.shape[1])]
+        want = [mx.concatenate([r[j] for r in rows], axis=1) for j in range(2)]
     with kernels.rows_pass():
         got = model(ids)
     assert all(mx.array_equal(a, b).item() for a, b in zip(want, got))
@@ -74,7 +77,13 @@ def test_half_precision_passes_on_cuda_take_the_plain_attention():
 def test_pass_attention_is_mlx_attention_bit_for_bit(dtype):
     """The composition that replaces cuDNN in CUDA's half-precision verify passes gives the bits of
     MLX's attention on the CPU (which runs its own composition there): grouped heads, every kind
-    of mask a pass hands it."""
+    of mask a pass hands it. Both on the CPU wherever the test runs (a GPU's attention kernels sum
+    in other orders)."""
+    with mx.stream(mx.cpu):
+        _compare_with_mlx_attention(dtype)
+
+
+def _compare_with_mlx_attention(dtype):
     T, S, D = 7, 40, 64
     keep = mx.random.uniform(shape=(T, S), key=mx.random.key(5)) > 0.3
     keep = mx.concatenate([keep[:, :-1], mx.ones((T, 1), dtype=mx.bool_)], axis=1)  # a row sees a key
@@ -282,6 +291,18 @@ def test_verify_pass_rows_have_the_one_row_bits(family, dtype, bits):
         assert mx.array_equal(last, got[row]).item(), f"row {row}"
 
 
+def test_a_compiler_s_log_is_told_in_one_line():
+    log = ("Failed to compile kernel: /site/cutlass/floating_point_nvrtc.h(50): error: expected an identifier\n"
+           "      FP_NAN =\n      ^\n\n5 errors detected in the compilation of \"k.cu\".\n.")
+    said = kernels.one_line(RuntimeError(log))
+    assert "\n" not in said
+    assert said.startswith("RuntimeError: Failed to compile kernel: /site/cutlass/floating_point_nvrtc.h(50): error")
+    assert said.endswith("(and 4 more lines)")
+    said = kernels.one_line(RuntimeError("Failed to compile kernel:\nk.cu(3): error: x\nmore"))
+    assert said == "RuntimeError: Failed to compile kernel: k.cu(3): error: x (and 1 more lines)"
+    assert kernels.one_line(ValueError("bad")) == "ValueError: bad"
+
+
 def test_rows_seeing_as_many_keys_go_as_one_call(monkeypatch):
     monkeypatch.setattr(rows_attention, "grouping", rows_attention.Grouping())
     q, keys, values = _attention_inputs(rows=7, cached=12, seed=5)
@@ -307,6 +328,32 @@ def test_rows_seeing_as_many_keys_go_as_one_call(monkeypatch):
         assert calls[:3] == [1, 3, 1] and 3 in calls
 
 
+def test_rows_past_256_keys_go_one_call_each_with_the_step_s_query(monkeypatch):
+    """Past STEP keys a step gets another kernel on CUDA (cuDNN over its cache buffer), which a call
+    over gathered keys never gets: rows there go one by one, whatever Grouping found on shorter
+    contexts; their queries are the step's layout of the same values."""
+    monkeypatch.setattr(rows_attention, "grouping", rows_attention.Grouping())
+    rows_attention.grouping.ok = True  # grouping trusted (as after checks on short contexts)
+    seen = np.eye(7, dtype=bool)
+    seen[1:, 0] = True
+    seen[4, 1] = seen[5, 2] = seen[6, 3] = True
+    for cached, want_calls in ((rows_attention.STEP - 4, [1, 3, 3]), (rows_attention.STEP - 1, [1] * 7)):
+        q, keys, values = _attention_inputs(rows=7, cached=cached, seed=6)
+        calls = []
+
+        def counting(q1, k, v, **kw):
+            calls.append(q1.shape[0])
+            return mx.fast.scaled_dot_product_attention(q1, k, v, scale=kw["scale"])
+
+        got = rows_attention.rows_attention(counting, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen),
+                                            None)
+        assert mx.allclose(got, _masked(q, keys, values, seen), atol=1e-5).item()
+        assert sorted(calls) == sorted(want_calls), cached
+    for row in range(7):
+        step = rows_attention.step_query(q, row)
+        assert step.shape == (1, 4, 1, 32) and mx.array_equal(step, q[:, :, row : row + 1]).item()
+
+
 def test_grouping_is_trusted_only_after_equal_bits():
     g = rows_attention.Grouping()
     a = mx.array([1.0, 2.0])
@@ -321,8 +368,10 @@ def test_grouping_is_trusted_only_after_equal_bits():
 
 
 def test_doctor_says_in_which_dtypes_output_is_exact(monkeypatch):
+    monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(mx.cpu))  # as on a CPU
     assert "float32, tested on the CPU" in kernels.exactness()
     monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(mx.gpu))  # as on a GPU
+    monkeypatch.setattr(kernels, "on_cuda", lambda: False)  # Metal's
     assert "not checked on this GPU (Metal)" in kernels.exactness()
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     monkeypatch.setattr(kernels, "usable", lambda dtype: True)
@@ -454,7 +503,10 @@ def test_subclasses_are_routed_only_where_they_say_the_kernels_may_wrap_them():
     model = nn.Sequential(Declared(32, 16), Undeclared(16, 16, bias=False), DeclaredLinear(16, 16, bias=False),
                           DeclaredLinear(16, 16))
     ids = mx.array([[1, 2, 3]])
-    want = model.layers[0].as_linear(model(ids))
+    if mx.cuda.is_available():  # the kernels run there: a pass's rows get the one-row call's bits
+        want = mx.concatenate([model.layers[0].as_linear(model(ids[:, i : i + 1])) for i in range(3)], axis=1)
+    else:
+        want = model.layers[0].as_linear(model(ids))
     assert linear.convert(model) == [mx.float32, mx.float32, ("biased", mx.float32)]
     assert isinstance(model.layers[2], linear.RowsLinear) and isinstance(model.layers[3], linear.RowsBiasedLinear)
     head = model.layers[0]
