@@ -77,8 +77,13 @@ class _Plan:
             else:
                 idx = _keys_seen(seen, row, cached)
                 self.keys.append((mx.array(np.pad(idx, (0, room - n))), n))
+        # rows seeing as many keys may share one call (Grouping), below STEP keys only: past them
+        # the step runs another kernel (above), which a call over gathered keys never gets, and a
+        # verdict reached on short contexts says nothing of it
         counts = seen[:real].sum(axis=1)
-        self.groups = [np.flatnonzero(counts == c) for c in np.unique(counts)]
+        self.groups = [rows for c in np.unique(counts) for rows in
+                       ([np.flatnonzero(counts == c)] if cached + c < STEP else
+                        [np.array([r]) for r in np.flatnonzero(counts == c)])]
         self._group_keys: dict[tuple[int, ...], tuple[mx.array, mx.array]] = {}
 
     def group_keys(self, rows: list[int]) -> tuple[mx.array, mx.array]:
@@ -101,13 +106,25 @@ def _plan(seen: np.ndarray, cached: int, real: int, capacity: int | None) -> _Pl
     return last[1]
 
 
+def step_query(queries: mx.array, row: int) -> mx.array:
+    """Row `row` of a pass's [1, H, T, D] queries laid out as a one-row step's query is: a step's
+    [1, 1, H, D] projection seen as [1, H, 1, D] (a view of its own buffer, contiguous strides),
+    not a view into the pass's T rows. Past STEP keys MLX's CUDA attention runs cuDNN, whose plan
+    is chosen by the query's strides too, so a row's query is laid out as the step's (both views:
+    nothing is copied). Not yet checked on a GPU: tools.ab.gpu_rows's layout table tells."""
+    _, H, _, D = queries.shape
+    q = queries[:, :, row : row + 1].transpose(0, 2, 1, 3)  # [1, 1, H, D]: the projection's own order
+    return q.reshape(1, H, D).reshape(1, 1, H, D).transpose(0, 2, 1, 3)  # contiguous strides, as a step's
+
+
 def _one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
     idx, n = plan.keys[row]
     if idx is None:
         k, v = keys[:, :, :n], values[:, :, :n]
     else:  # gathered, into a buffer of whole STEPs past STEP keys: attend over its first n
         k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
-    return stock(queries[:, :, row : row + 1], k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
+    q = step_query(queries, row) if n >= STEP and cache_layout else queries[:, :, row : row + 1]
+    return stock(q, k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
 
 
 def _group(stock, queries, keys, values, cache, scale, sinks, plan, rows):

@@ -16,7 +16,9 @@ of several rows gives against one-row decoding steps, kernels on and off.
    row's keys, past 256 of them, out as a slice of ceil(n / 256) * 256 places (the buffer mlx-lm's
    step has at that length), and the variant "keys of their own length" shows the rows without
    that. Then: one query over the same 300 keys laid out as slices of buffers of 512, 768 and 556
-   positions, and as an array of their own: which give the bits of the 512 one.
+   positions, and as an array of their own: which give the bits of the 512 one; and over the 512
+   one, a query laid out as a pass row's (a view into T rows) and as kernels/attention.step_query
+   lays it out: which give a step's bits (cuDNN's plan there depends on the query's strides too).
 3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
 4. With --qbits 4,8: table 1 for quantized weights (an 8B model's layers and head, groups of 64),
    MLX's quantized matmul against kernels/rows_qmatmul.py. With --model random:NAME:q4 the passes
@@ -242,6 +244,36 @@ def layout_bits(mx, dtypes, n: int = 300):
         ref = over(room)
         same = [mx.array_equal(over(c), ref).item() for c in (room + STEP, n + STEP, None)]
         print(f"| {dtype} | " + " | ".join("equal" if e else "differ" for e in same) + " |", flush=True)
+    query_layout_bits(mx, dtypes, n, room)
+
+
+def query_layout_bits(mx, dtypes, n: int, room: int, rows: int = 8):
+    """One query over n keys in a slice of a `room` buffer (a step's keys past STEP: cuDNN on CUDA),
+    the query laid out as a step's ([1, 1, H, D] seen as [1, H, 1, D]), as a view of row i of a
+    pass's [1, H, T, D] queries, and as kernels/attention.step_query lays that row out: which
+    give the step's bits."""
+    from cacheback_mlx.kernels.attention import step_query
+
+    print(f"\none query over {n} keys (a slice of a {room} buffer): a pass row's query gives the step's bits?")
+    print("| dtype | row | pass row's view | step_query |")
+    print("|---|---:|---|---|")
+    for dtype in dtypes:
+        qs = mx.random.normal((1, rows, 9, 64), key=mx.random.key(3)).astype(dtype)
+        kv = mx.random.normal((2, 1, 3, n, 64), key=mx.random.key(4)).astype(dtype)
+        bufs = [mx.zeros((1, 3, room, 64), dtype=dtype) for _ in range(2)]
+        for b, x in zip(bufs, kv):
+            b[..., :n, :] = x
+        mx.eval(bufs, qs)
+        k, v = bufs[0][..., :n, :], bufs[1][..., :n, :]
+        passed = qs.transpose(0, 2, 1, 3)  # [1, H, T, D]: a pass's queries, as the model lays them out
+        for i in (0, rows // 2, rows - 1):
+            step = mx.array(qs[:, i : i + 1]).transpose(0, 2, 1, 3)  # a step's own [1, 1, H, D] projection
+            want = mx.fast.scaled_dot_product_attention(step, k, v, scale=0.125)
+            got = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+                   for q in (passed[:, :, i : i + 1], step_query(passed, i))]
+            mx.eval(want, *got)
+            print(f"| {dtype} | {i} | " + " | ".join("equal" if mx.array_equal(g, want).item() else "differ"
+                                                    for g in got) + " |", flush=True)
 
 
 def tree_path(tree, i: int) -> list[int]:
