@@ -12,6 +12,7 @@ import json
 import random
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class Run:
     draft_s: float = 0.0
     verify_s: float = 0.0  # forward passes (the rest of a step: accept, rollback, bookkeeping)
     turns: list[int] = field(default_factory=list)  # tokens of each turn's reply (tokens holds them all)
+    # each verify pass as [rows run, drafts sent, cached tokens, ms] (a slow pass is found in the JSON)
+    pass_log: list[list] = field(default_factory=list)
 
     def add(self, out: list[int], seconds: float, stats=None) -> None:
         """One turn's reply and time; `stats`: the engine's counters for it (None: one token a pass)."""
@@ -57,6 +60,20 @@ class Run:
         if stats is not None:
             self.draft_s += stats.draft_s
             self.verify_s += stats.verify_s
+
+
+@contextmanager
+def logging_passes(run: Run, engine):
+    """While it lasts, every verify pass the engine runs goes into run.pass_log."""
+    def heard(e):
+        if e.kind == "verify":
+            run.pass_log.append([e.rows, e.drafts, e.cached, round(e.seconds * 1000, 3)])
+
+    stop = engine.watch(heard)
+    try:
+        yield
+    finally:
+        stop()
 
 
 def column_of(category: str) -> str:
@@ -134,9 +151,10 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
         ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
-        t0 = time.perf_counter()
-        out = [t for step in eng.generate(ids, max_tokens) for t in step]
-        run.add(out, time.perf_counter() - t0, eng.stats)
+        with logging_passes(run, eng):
+            t0 = time.perf_counter()
+            out = [t for step in eng.generate(ids, max_tokens) for t in step]
+            run.add(out, time.perf_counter() - t0, eng.stats)
         messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
     return run
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .api import Session
-from .bench import MLX_LM, Prompt, Row, Run
+from .bench import MLX_LM, Prompt, Row, Run, logging_passes
 from .errors import CachebackError
 
 RECORD_FORMAT = "cacheback-streams/1"
@@ -79,9 +79,10 @@ def run_forced(session: Session, row, record: dict, label: str) -> Run:
     for turn in record["turns"]:
         if not turn["out"]:
             continue
-        t0 = time.perf_counter()
-        out = [t for step in eng.generate(turn["prompt"], len(turn["out"]), forced=turn["out"]) for t in step]
-        run.add(out, time.perf_counter() - t0, eng.stats)
+        with logging_passes(run, eng):
+            t0 = time.perf_counter()
+            out = [t for step in eng.generate(turn["prompt"], len(turn["out"]), forced=turn["out"]) for t in step]
+            run.add(out, time.perf_counter() - t0, eng.stats)
     return run
 
 

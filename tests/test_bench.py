@@ -77,3 +77,15 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
     assert {r.drafter for r in out} == {"none", "ngram", "cacheback", "mlx-lm"}
     assert all(r.tokens for r in out if r.drafter == "none")
     assert all(0 < r.verify_s < r.seconds for r in out if r.drafter != "mlx-lm")
+    for r in out:  # each engine run logs its verify passes: [rows, drafts, cached, ms]
+        if r.drafter == "mlx-lm":
+            assert r.pass_log == []
+            continue
+        assert len(r.pass_log) == r.passes
+        assert all(rows >= 1 + drafts and ms > 0 for rows, drafts, _, ms in r.pass_log)
+        assert sum(ms for *_, ms in r.pass_log) == pytest.approx(r.verify_s * 1000, rel=0.01)
+        if r.drafter == "none":  # (a turn's first pass may take the prompt's last tokens with its own)
+            assert all(drafts == 0 for _, drafts, _, _ in r.pass_log)
+            assert sum(rows == 1 for rows, _, _, _ in r.pass_log) >= len(r.pass_log) - len(r.turns)
+        cached = [c for _, _, c, _ in r.pass_log]
+        assert cached[: r.turns[0]] == sorted(cached[: r.turns[0]])  # a turn's cache only grows
