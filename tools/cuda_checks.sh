@@ -29,7 +29,8 @@
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
 # LIMIT (seconds a step may run, default 240), TOTAL (no step runs past this many seconds from the
-# start, default 3600).
+# start, default 3600), STEPS (the steps to run, by the names of their logs, in that order; default
+# all of them in the order above).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
@@ -59,7 +60,13 @@ step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 git log --oneline -1
-step kernel_check "$PY" -c "
+Q4=random:llama-3.2-1b:q4:layers=4:vocab=49280
+Q8B=random:llama-3.1-8b:q4:vocab=49280
+BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TOKENS" --dtype float16
+       --drafters none,auto)
+
+run_kernel_check() {
+    step kernel_check "$PY" -c "
 import time, cacheback_mlx, mlx.core as mx
 from cacheback_mlx import kernels
 for d in (mx.float16, mx.bfloat16, mx.float32):
@@ -76,29 +83,55 @@ for d in (mx.float16, mx.bfloat16):
     print(d, 'biased', 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
 print(kernels.describe())
 "
-step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
-step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300
-Q4=random:llama-3.2-1b:q4:layers=4:vocab=49280
-step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
-    --dtypes float16
-BENCH=(-m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 2 -n "$TOKENS" --dtype float16
-       --drafters none,auto)
-step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"
-Q8B=random:llama-3.1-8b:q4:vocab=49280
-step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
-    --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
-step verify_cost_8b_q4 "$PY" -m cacheback_mlx.cli bench --verify-cost --model "$Q8B" --contexts 512,2048
-step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 -n 64 \
-    --drafters none,auto --json "$OUT/forced_8b_q4.json"
-step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost --model random:llama-3.1-8b:bf16:vocab=49280 \
-    --dtype bfloat16 --contexts 512,2048
-step doctor "$PY" -m cacheback_mlx.cli doctor --model default
-step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"
-CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_kernels_off.json"
-step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
-    --steps 128 --rounds 5
-step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 --humaneval-prompts 0 \
-    -n 16 --dtype float16 --drafters none --no-mlx-lm
+}
+run_kernel_tests() { step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py; }
+run_gpu_rows() { step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300; }
+run_gpu_rows_q4() {
+    step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
+        --dtypes float16
+}
+run_bench_float16() { step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"; }
+run_bench_8b_q4() {
+    step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
+        --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
+}
+run_verify_cost_8b_q4() {
+    step verify_cost_8b_q4 "$PY" -m cacheback_mlx.cli bench --verify-cost --model "$Q8B" --contexts 512,2048
+}
+run_forced_8b_q4() {
+    step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 -n 64 \
+        --drafters none,auto --json "$OUT/forced_8b_q4.json"
+}
+run_verify_cost_8b_bf16() {
+    step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost \
+        --model random:llama-3.1-8b:bf16:vocab=49280 --dtype bfloat16 --contexts 512,2048
+}
+run_doctor() { step doctor "$PY" -m cacheback_mlx.cli doctor --model default; }
+run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"; }
+run_bench_float16_kernels_off() {
+    CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" \
+        --json "$OUT/bench_float16_kernels_off.json"
+}
+run_step_time() {
+    step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
+        --steps 128 --rounds 5
+}
+run_startup_profile() {
+    step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 \
+        --humaneval-prompts 0 -n 16 --dtype float16 --drafters none --no-mlx-lm
+}
+
+ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
+     verify_cost_8b_bf16 doctor doctor_q4 bench_float16_kernels_off step_time startup_profile"
+for name in ${STEPS:-$ALL}; do
+    if ! declare -F "run_$name" > /dev/null; then
+        echo "unknown step: $name (known: $(echo $ALL))" >&2
+        exit 2
+    fi
+done
+for name in ${STEPS:-$ALL}; do
+    "run_$name"
+done
 # the pass-cost tables the runs above measured and kept (tools.scale_projection --cost prices
 # recordings by them offline)
 mkdir -p "$OUT/verify_cost"
