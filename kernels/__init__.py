@@ -10,6 +10,9 @@ from 8 rows up.
 `attention` (plain MLX, where rows_matmul runs): the pass's attention row by row, each row as the
 one-row step calls MLX's attention. With both, every row of a pass has the one-row step's logits
 bit for bit (docs/BENCHMARKS.md §15).
+`rows_sdpa` (CUDA): those rows in one call a layer where the step runs MLX's vector attention
+kernel (up to 255 keys in half precision, 1,024 in float32), each row with that kernel's bits;
+checked per dtype and head dim at first use (CACHEBACK_MLX_ROWS_SDPA=0: a call per row).
 
 The matmul is checked at its first use in a process, per dtype (the quantized one per dtype, bits
 and group size), against its plain-MLX reference (`check` in each file): bits equal to the one-row
@@ -48,12 +51,14 @@ import mlx.core as mx
 
 from . import attention as _attention
 from . import plain_attention as _plain_attention
-from . import rows_addmm, rows_matmul, rows_qmatmul
+from . import rows_addmm, rows_matmul, rows_qmatmul, rows_sdpa
 
 ENV = "CACHEBACK_MLX_KERNELS"
 enabled = os.environ.get(ENV, "1") != "0"
 ATTENTION_ENV = "CACHEBACK_MLX_ROWS_ATTENTION"
 attention_enabled = os.environ.get(ATTENTION_ENV, "1") != "0"
+SDPA_ENV = "CACHEBACK_MLX_ROWS_SDPA"
+sdpa_enabled = os.environ.get(SDPA_ENV, "1") != "0"  # rows_sdpa: a pass's attention rows in one call
 CUDNN_ENV = "CACHEBACK_MLX_CUDNN_PASSES"
 cudnn_passes = os.environ.get(CUDNN_ENV, "0") == "1"  # let MLX give verify passes cuDNN's attention
 _checked: dict = {}  # dtype, or (dtype, bits, group size) for quantized layers -> (ok, reason), once a process
@@ -68,13 +73,16 @@ def on_cuda() -> bool:
     return _CUDA and mx.default_device().type == mx.DeviceType.gpu
 
 
-def set_enabled(on: bool, attention: bool | None = None) -> None:
+def set_enabled(on: bool, attention: bool | None = None, sdpa: bool | None = None) -> None:
     """Turn the kernels on or off in this process (what CACHEBACK_MLX_KERNELS sets at start);
-    `attention`: the row-by-row attention too (CACHEBACK_MLX_ROWS_ATTENTION), when given."""
-    global enabled, attention_enabled
+    `attention`: the row-by-row attention too (CACHEBACK_MLX_ROWS_ATTENTION), `sdpa`: its rows in
+    one call (CACHEBACK_MLX_ROWS_SDPA), when given."""
+    global enabled, attention_enabled, sdpa_enabled
     enabled = bool(on)
     if attention is not None:
         attention_enabled = bool(attention)
+    if sdpa is not None:
+        sdpa_enabled = bool(sdpa)
 
 
 def one_line(e: Exception) -> str:
@@ -116,6 +124,28 @@ def usable_quantized(dtype, bits: int, group_size: int) -> bool:
                  f"exact-rows quantized matmul off for {bits}-bit {dtype}, groups of {group_size}")
 
 
+def usable_sdpa(dtype, head_dim: int) -> bool:
+    """Whether rows_sdpa takes a pass's attention rows in this dtype and head dim here (checked
+    once, at its first use)."""
+    if (not (enabled and sdpa_enabled and on_cuda()) or dtype not in rows_sdpa.DTYPES
+            or head_dim not in rows_sdpa.HEAD_DIMS):
+        return False
+    return _once(_checked, ("sdpa", dtype, head_dim), lambda: rows_sdpa.check(dtype, head_dim),
+                 f"one-call attention rows off for {dtype}, head dim {head_dim} (a call per row instead)")
+
+
+def _all_rows(sinks):
+    """rows_attention's all_rows: the pass's rows in one rows_sdpa call where it applies and was
+    checked here (every row within the keys for which the step runs the vector kernel)."""
+    def run(queries, keys, values, plan, scale):
+        if (not rows_sdpa.applies(queries, keys, sinks) or plan.most_keys > rows_sdpa.max_keys(queries.dtype)
+                or not usable_sdpa(queries.dtype, queries.shape[-1])):
+            return None
+        keymap, counts = plan.keymap(queries.shape[2])
+        return rows_sdpa.rows_sdpa(queries, keys, values, keymap, counts, scale)
+    return run
+
+
 def usable_biased(dtype) -> bool:
     """Whether a pass's biased plain linear layers of this dtype go row by row here (rows_addmm;
     checked once, at its first use)."""
@@ -128,13 +158,14 @@ def usable_biased(dtype) -> bool:
 def _exact_linear(dtype) -> bool:
     """Whether a pass's linear layers in this dtype have the one-row bits here: a checked kernel,
     plain or quantized (the row-by-row attention is worth its cost only then)."""
-    quantized = [ok for key, (ok, _) in _checked.items() if isinstance(key, tuple) and key[0] == dtype]
+    quantized = [ok for key, (ok, _) in _checked.items() if isinstance(key, tuple) and key[0] == dtype
+                 and isinstance(key[1], int)]
     if any(quantized):
         return True
     return usable(dtype) if not quantized or dtype in _checked else False
 
 
-VERSION = 3  # part of the verify-cost cache key (costs.cost_path), with what is on
+VERSION = 4  # part of the verify-cost cache key (costs.cost_path), with what is on
 
 
 def cost_key() -> str:
@@ -142,7 +173,7 @@ def cost_key() -> str:
     if not on_cuda():
         return ""
     return (f"kernels/{VERSION}/{'on' if enabled else 'off'}/{'rows-attention' if attention_enabled else ''}"
-            f"/{'cudnn' if cudnn_passes else 'mlx-ops'}")
+            f"{'+sdpa' if attention_enabled and sdpa_enabled else ''}/{'cudnn' if cudnn_passes else 'mlx-ops'}")
 
 
 def describe() -> str:
@@ -162,11 +193,16 @@ def describe() -> str:
         ok, reason = _checked[dtype]
         parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")
     for key, (ok, reason) in _checked.items():
-        if isinstance(key, tuple):
+        if isinstance(key, tuple) and key[0] == "sdpa":
+            parts.append(f"one-call attention rows {key[1]}, head dim {key[2]}: {'on' if ok else 'off'} ({reason})")
+        elif isinstance(key, tuple):
             parts.append(f"{key[1]}-bit {key[0]}, groups of {key[2]}: {'on' if ok else 'off'} ({reason})")
     for dtype, (ok, reason) in _biased.items():
         parts.append(f"biased layers {dtype}: {'row by row' if ok else 'off'} ({reason})")
     attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
+    if attention_enabled:
+        attention += (", its rows in one call where checked (rows_sdpa)" if sdpa_enabled
+                      else f", a call per row ({SDPA_ENV}=0)")
     return ("exact-rows matmul (verify passes): " + "; ".join(parts) + f"; row-by-row attention: {attention}"
             + f"; other passes' attention: {other}")
 
@@ -255,7 +291,7 @@ def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks):
     if not (attention_enabled and in_rows_pass() and _exact_linear(queries.dtype)):
         return None
     return _attention.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks,
-                                     getattr(_local, "real", None))
+                                     getattr(_local, "real", None), all_rows=_all_rows(sinks))
 
 
 def pass_attention(queries, keys, values, scale, mask, sinks):

@@ -80,11 +80,25 @@ class _Plan:
         # rows seeing as many keys may share one call (Grouping), below STEP keys only: past them
         # the step runs another kernel (above), which a call over gathered keys never gets, and a
         # verdict reached on short contexts says nothing of it
+        self.most_keys = max((n for _, n in self.keys), default=0)
+        self.real, self._keymap = real, None
         counts = seen[:real].sum(axis=1)
         self.groups = [rows for c in np.unique(counts) for rows in
                        ([np.flatnonzero(counts == c)] if cached + c < STEP else
                         [np.array([r]) for r in np.flatnonzero(counts == c)])]
         self._group_keys: dict[tuple[int, ...], tuple[mx.array, mx.array]] = {}
+
+    def keymap(self, rows: int) -> tuple[mx.array, mx.array]:
+        """Every row's key indices as one array [rows, most keys] and how many it sees [rows]
+        (padding rows: none), for an attention kernel that takes all rows at once."""
+        if self._keymap is None:
+            keymap = np.zeros((rows, max(self.most_keys, 1)), np.int32)
+            counts = np.zeros(rows, np.int32)
+            for row in range(self.real):
+                counts[row] = n = self.keys[row][1]
+                keymap[row, :n] = _keys_seen(self.seen, row, self.cached)
+            self._keymap = (mx.array(keymap), mx.array(counts))
+        return self._keymap
 
     def group_keys(self, rows: list[int]) -> tuple[mx.array, mx.array]:
         """A group's key indices [G, n] and its rows [G], as device arrays."""
@@ -161,11 +175,14 @@ class Grouping:
 grouping = Grouping()
 
 
-def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real: int | None = None):
+def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real: int | None = None,
+                   all_rows=None):
     """Attention of [B, H, T, D] queries over [B, Hk, S, D] keys whose last T are this pass's,
     row by row (or rows seeing as many keys together, where Grouping found that exact); None where
     visible_rows says it cannot. Rows from `real` on are padding that no row sees: they get zeros
-    (any finite value would do; they are rolled back)."""
+    (any finite value would do; they are rolled back). `all_rows(queries, keys, values, plan,
+    scale)`, when given, may take every row in one call (a kernel with the step's bits: it returns
+    None where it cannot)."""
     T, S = queries.shape[2], keys.shape[2]
     seen = visible_rows(mask, cache, T)
     if seen is None:
@@ -173,6 +190,10 @@ def rows_attention(stock, queries, keys, values, cache, scale, mask, sinks, real
     real = T if real is None else min(real, T)
     buffer = getattr(cache, "keys", None)  # the pass's keys are a slice of it (mlx-lm's caches, ours)
     plan = _plan(seen, S - T, real, buffer.shape[2] if isinstance(buffer, mx.array) else None)
+    if all_rows is not None:
+        out = all_rows(queries, keys, values, plan, scale)
+        if out is not None:
+            return out
     args = (stock, queries, keys, values, cache, scale, sinks, plan)
     groups = plan.groups
     if grouping.ok is False or queries.shape[0] != 1 or all(len(g) == 1 for g in groups):

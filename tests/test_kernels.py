@@ -6,7 +6,7 @@ The checks that need CUDA run only where MLX has it."""
 
 from cacheback_mlx import kernels
 from cacheback_mlx.kernels import attention as rows_attention
-from cacheback_mlx.kernels import linear, plain_attention, rows_matmul, rows_qmatmul
+from cacheback_mlx.kernels import linear, plain_attention, rows_matmul, rows_qmatmul, rows_sdpa
 from cacheback_mlx.positions import TreePass
 
 import mlx.core as mx
@@ -352,6 +352,61 @@ def test_rows_past_256_keys_go_one_call_each_with_the_step_s_query(monkeypatch):
     for row in range(7):
         step = rows_attention.step_query(q, row)
         assert step.shape == (1, 4, 1, 32) and mx.array_equal(step, q[:, :, row : row + 1]).item()
+
+
+def test_all_rows_at_once_get_each_row_s_keys_in_the_step_s_order():
+    """rows_attention hands a one-call kernel (all_rows) every row's keys as one index map, padding
+    rows seeing none; where it declines, rows go one by one as before."""
+    seen = np.eye(6, dtype=bool)
+    seen[1:, 0] = True
+    seen[3, 1] = seen[4, 2] = seen[4, 1] = True  # row 4 under 2 under 1 under the root
+    seen[2, 1] = True
+    q, keys, values = _attention_inputs(rows=6, cached=9, seed=8)
+    asked = []
+
+    def all_rows(queries, k, v, plan, scale):
+        keymap, counts = plan.keymap(queries.shape[2])
+        asked.append((np.array(keymap), np.array(counts), plan.most_keys))
+        return rows_sdpa.reference(queries, k, v, keymap, counts, scale)
+
+    got = rows_attention.rows_attention(_stock, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen), None,
+                                        real=5, all_rows=all_rows)
+    keymap, counts, most = asked[0]
+    assert list(counts) == [10, 11, 12, 12, 13, 0] and most == 13  # the padding row (5) sees nothing
+    assert list(keymap[4, :13]) == list(range(9)) + [9, 10, 11, 13]  # cached, then its path in order
+    assert list(keymap[3, :12]) == list(range(9)) + [9, 10, 12]
+    want = _masked(q, keys, values, seen)
+    assert mx.allclose(got[:, :, :5], want[:, :, :5], atol=1e-5).item() and mx.all(got[:, :, 5] == 0).item()
+    declined = rows_attention.rows_attention(_stock, q, keys, values, TreeCache(seen), 32**-0.5, mx.array(seen),
+                                             None, real=5, all_rows=lambda *a: None)
+    assert mx.allclose(declined[:, :, :5], want[:, :, :5], atol=1e-5).item()
+
+
+def test_rows_sdpa_reference_and_tree_keymap():
+    keymap, counts = rows_sdpa.tree_keymap(5, [-1, 0, 1, 0])
+    assert list(counts) == [6, 7, 8, 7]
+    assert list(keymap[2]) == [0, 1, 2, 3, 4, 5, 6, 7] and list(keymap[3, :7]) == [0, 1, 2, 3, 4, 5, 8]
+    assert rows_sdpa.max_keys(mx.float16) == 255 and rows_sdpa.max_keys(mx.float32) == 1024
+    q = mx.random.normal((1, 4, 9, 8), key=mx.random.key(1)).astype(mx.float16)
+    assert not rows_sdpa.applies(q, q, None)  # head dim 8: not one the vector kernel has
+    q = mx.random.normal((1, 4, 4, 64), key=mx.random.key(1))
+    kv = mx.random.normal((2, 1, 2, 9, 64), key=mx.random.key(2))
+    assert rows_sdpa.applies(q, kv[0], None) and not rows_sdpa.applies(q, kv[0], mx.zeros((4,)))
+    seen = np.zeros((4, 4), bool)
+    for i, path in enumerate([[0], [0, 1], [0, 1, 2], [0, 3]]):
+        seen[i, path] = True
+    got = rows_sdpa.reference(q, kv[0], kv[1], mx.array(keymap), mx.array(counts), 0.125)
+    mask = mx.array(np.concatenate([np.ones((4, 5), bool), seen], axis=1))
+    want = mx.fast.scaled_dot_product_attention(q, kv[0], kv[1], scale=0.125, mask=mask)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rows_sdpa_has_the_step_s_bits(dtype, head_dim):
+    ok, reason = rows_sdpa.check(dtype, head_dim)
+    assert ok, reason
 
 
 def test_grouping_is_trusted_only_after_equal_bits():

@@ -4,7 +4,7 @@ wheels were fetched (`python -m tools.nvrtc_check --fetch`; nothing is downloade
 import os
 from pathlib import Path
 
-from cacheback_mlx.kernels import rows_matmul, rows_qmatmul
+from cacheback_mlx.kernels import rows_matmul, rows_qmatmul, rows_sdpa
 
 import pytest
 from tools import nvrtc_check
@@ -18,7 +18,8 @@ def test_every_build_the_engine_asks_for_is_listed():
     labels = [b.label() for b in nvrtc_check.builds()]
     assert len(labels) == len(set(labels))
     assert len(labels) == 3 * len(rows_matmul.RMAX_BUILDS) + (
-        len(rows_qmatmul.DTYPES) * len(rows_qmatmul.BITS) * len(rows_qmatmul.GROUPS))
+        len(rows_qmatmul.DTYPES) * len(rows_qmatmul.BITS) * len(rows_qmatmul.GROUPS)) + (
+        len(rows_sdpa.DTYPES) * len(rows_sdpa.HEAD_DIMS))
     assert "cacheback_rows_qmv(T=bfloat16, BITS=4, GROUP=64, WR=2, PR=4)" in labels
 
 
@@ -42,7 +43,8 @@ def test_the_source_is_laid_out_as_mlx_lays_out_a_custom_kernel():
 
 @fetched
 @pytest.mark.parametrize("only", ["cacheback_rows_gemv(T=float16, RMAX=64)",
-                                  "cacheback_rows_qmv(T=bfloat16, BITS=4, GROUP=64"])
+                                  "cacheback_rows_qmv(T=bfloat16, BITS=4, GROUP=64",
+                                  "cacheback_rows_sdpa(T=float16, D=64)"])
 def test_kernels_compile_with_nvrtc(only, capsys):
     """One build of each kernel (all of them: python -m tools.nvrtc_check)."""
     assert nvrtc_check.main(["--dir", str(FETCHED), "--only", only]) == 0

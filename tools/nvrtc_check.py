@@ -27,13 +27,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cacheback_mlx.kernels import rows_matmul, rows_qmatmul
+from cacheback_mlx.kernels import rows_matmul, rows_qmatmul, rows_sdpa
 
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t"}
+CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t",
+              mx.int32: "int32_t"}
 WHEELS = ("mlx-cuda-13=={mlx}", "nvidia-cuda-nvrtc==13.*", "nvidia-cuda-runtime==13.*")
 
 
@@ -66,6 +67,11 @@ def builds() -> list[Build]:
                 out.append(Build(rows_qmatmul, "cacheback_rows_qmv",
                                  [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype)], dtype,
                                  [("T", dtype), ("BITS", bits), ("GROUP", group), ("WR", wr), ("PR", pr)]))
+    for dtype in rows_sdpa.DTYPES:
+        for d in rows_sdpa.HEAD_DIMS:
+            out.append(Build(rows_sdpa, "cacheback_rows_sdpa",
+                             [("q", dtype), ("k", dtype), ("v", dtype), ("keymap", mx.int32), ("counts", mx.int32),
+                              ("scale", mx.float32)], dtype, [("T", dtype), ("D", d)]))
     return out
 
 

@@ -127,8 +127,9 @@ def qmatmul_table(mx, dtypes, rows, bits_list, group_size: int = 64):
 
 PROMPTS = ("def fibonacci(n):\n    ", "The capital of France is",
            "Write a short story about a robot who learns to paint.")
-VARIANTS = (("off", False, False), ("matmul", True, False), ("matmul+attention", True, True),
-            ("matmul+attention, keys of their own length", True, True))
+VARIANTS = (("off", False, False, False), ("matmul", True, False, False),
+            ("matmul+attention, a call per row", True, True, False), ("matmul+attention", True, True, True),
+            ("matmul+attention, keys of their own length", True, True, True))
 STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many positions
 
 
@@ -178,8 +179,8 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
         model = lm.model
         kernels.attach(model)
         ModelCache(model)  # routes the model's attention through the engine's (attention.install)
-        for name, on, attention in VARIANTS:
-            kernels.set_enabled(on, attention)
+        for name, on, attention, sdpa in VARIANTS:
+            kernels.set_enabled(on, attention, sdpa)
             layout = (lambda: own_length_layout(rows_attention)) if "own length" in name else nullcontext
             for p, prompt in enumerate(prompts):
                 ids = lm.tokenizer.encode(prompt)
@@ -209,7 +210,7 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
                     want.append(last)
                 e, d, a = _equal_rows(mx, mx.stack(want), got)
                 print(f"| {dtype} | {name} | tree | {p} | {e}/{len(want)} | {d:.3g} | {a}/{len(want)} |", flush=True)
-        kernels.set_enabled(True, True)
+        kernels.set_enabled(True, True, True)
     from cacheback_mlx.kernels import attention
 
     print(f"attention rows grouped by length: {attention.grouping.ok} ({attention.grouping.checked} passes checked)")
@@ -333,22 +334,24 @@ def pass_cost(mx, kernels, lm_name, dtype, rows, cached: int = 512, repeats: int
     cache = ModelCache(model)
     prefill(model, cache, [(100 + i) % 5000 for i in range(cached)])
     print(f"\n{lm.name}, {dtype}: ms of one verify pass after {cached} cached tokens (median of {repeats})")
-    print("| rows | off | matmul | matmul + attention |\n|---:|---:|---:|---:|")
+    print("| rows | off | matmul | matmul + attention, a call per row | matmul + attention |")
+    print("|---:|---:|---:|---:|---:|")
     for r in rows:
         n = r - 1
         tree = DraftTree(np.arange(n) % 50 + 200, np.array([i // 4 - 1 if i >= 4 else -1 for i in range(n)])
                          if n else np.zeros(0, np.int32))
-        times = {name: [] for name, _, _ in VARIANTS}
+        variants = [v for v in VARIANTS if "own length" not in v[0]]
+        times = {v[0]: [] for v in variants}
         for _ in range(repeats + 1):
-            for name, on, attention in VARIANTS:
-                kernels.set_enabled(on, attention)
+            for name, on, attention, sdpa in variants:
+                kernels.set_enabled(on, attention, sdpa)
                 t0 = time.perf_counter()
                 mx.eval(verify_pass(model, cache, [7], tree))
                 times[name].append(time.perf_counter() - t0)
                 cache.trim(cached)
         med = {k: 1e3 * sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}  # the first: warm-up
-        print(f"| {r} | {med['off']:.2f} | {med['matmul']:.2f} | {med['matmul+attention']:.2f} |", flush=True)
-    kernels.set_enabled(True, True)
+        print(f"| {r} | " + " | ".join(f"{med[v[0]]:.2f}" for v in variants) + " |", flush=True)
+    kernels.set_enabled(True, True, True)
 
 
 @click.command()
