@@ -318,7 +318,24 @@ def attach(model) -> int:
             usable_quantized(*kind)
         else:
             usable(kind)
+    head_dim = _head_dim(model)
+    if kinds and attention_enabled and head_dim:  # the attention rows' kernel too, for the pass's dtype
+        for dtype in {k[1] if isinstance(k, tuple) and k[0] == "biased" else k[0] if isinstance(k, tuple) else k
+                      for k in kinds}:
+            usable_sdpa(dtype, head_dim)
     return len(kinds)
+
+
+def _head_dim(model) -> int | None:
+    """The model's attention head dim, from its mlx-lm args (None where they do not say)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    dim = getattr(args, "head_dim", None)
+    if dim:
+        return int(dim)
+    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    return hidden // heads if hidden and heads else None
 
 
 __all__ = ["attach", "describe", "exact_rows", "exact_rows_biased", "exact_rows_quantized", "exactness",

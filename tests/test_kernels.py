@@ -606,3 +606,21 @@ def test_a_first_use_check_runs_once_and_a_broken_one_is_off_with_one_line(capsy
     assert capsys.readouterr().err.splitlines() == ["cacheback-mlx: thing off: bits differ",
                                                     "cacheback-mlx: other off: ZeroDivisionError: division by zero"]
     assert kernels._once(store, "ok", lambda: (True, "fine"), "never said") and "never" not in capsys.readouterr().err
+
+
+def test_attach_checks_the_attention_rows_kernel_for_the_model_s_head_dim(monkeypatch):
+    """At attach, not in the first pass: every first-use check compiles its builds (seconds)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=1, intermediate_size=512,
+                           num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    asked = []
+    monkeypatch.setattr(kernels, "usable_sdpa", lambda dtype, d: asked.append((dtype, d)) or False)
+    assert kernels.attach(model) > 0
+    assert asked == [(mx.float16, 128)]
+    monkeypatch.setattr(kernels, "attention_enabled", False)
+    asked.clear()
+    kernels.attach(llama.Model(args))
+    assert asked == []
