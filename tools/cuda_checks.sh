@@ -8,7 +8,8 @@
 #      dtype and bits (groups of 64), biased layers row by row; then tests/test_kernels.py, whose
 #      CUDA tests compare tree passes with one-row steps bit for bit (needs pytest);
 #   2. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
-#      the kernels off and on, and tree rows' keys laid out as a cache slice (tools.ab.gpu_rows);
+#      the kernels off and on (the attention rows a call each and in one rows_sdpa call), tree rows'
+#      keys laid out as a cache slice, and what a pass costs by rows each way (tools.ab.gpu_rows);
 #   3. the same on a 4-bit model (random:llama-3.2-1b:q4, 4 layers), after the quantized matmul
 #      by rows at an 8B model's shapes, 4 and 8 bits, MLX's against the kernel's;
 #   4. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
@@ -26,6 +27,9 @@
 #   `tools.scale_projection --cost FILE`: projections from them here, on recordings not run there).
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
+#
+# Before taking a GPU: `python -m tools.nvrtc_check --fetch` compiles every kernel build here as
+# MLX will there (a build that does not compile there only shows in the logs of the run).
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
 # LIMIT (seconds a step may run, default 240), TOTAL (no step runs past this many seconds from the
@@ -85,7 +89,10 @@ print(kernels.describe())
 "
 }
 run_kernel_tests() { step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py; }
-run_gpu_rows() { step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300; }
+run_gpu_rows() {
+    step gpu_rows "$PY" -m tools.ab.gpu_rows --skip-matmul --dtypes float16 --long-prompt 300 --pass-cost float16 \
+        --rows 1,2,8,16,64
+}
 run_gpu_rows_q4() {
     step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
         --dtypes float16

@@ -19,7 +19,8 @@ of several rows gives against one-row decoding steps, kernels on and off.
    positions, and as an array of their own: which give the bits of the 512 one; and over the 512
    one, a query laid out as a pass row's (a view into T rows) and as kernels/attention.step_query
    lays it out: which give a step's bits (cuDNN's plan there depends on the query's strides too).
-3. With --pass-cost: ms of a whole verify pass by rows, kernels off, matmul only, and both.
+3. With --pass-cost: ms of a whole verify pass by rows: kernels off, matmul only, both with the
+   attention rows a call each, and in one call (rows_sdpa).
 4. With --qbits 4,8: table 1 for quantized weights (an 8B model's layers and head, groups of 64),
    MLX's quantized matmul against kernels/rows_qmatmul.py. With --model random:NAME:q4 the passes
    of 2. run on quantized layers.
