@@ -97,7 +97,10 @@ run_gpu_rows_q4() {
     step gpu_rows_q4 "$PY" -m tools.ab.gpu_rows --skip-matmul --qbits 4,8 --rows 1,2,8,16,64 --model "$Q4" \
         --dtypes float16
 }
-run_bench_float16() { step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"; }
+slow_passes() {  # the passes of a bench's JSON that stalled (tools/slow_passes.py)
+    [ -f "$OUT/$1.json" ] && "$PY" -m tools.slow_passes "$OUT/$1.json" --top 5 2>&1 | tee "$OUT/$1.slow.log" | tail -n 25
+}
+run_bench_float16() { step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"; slow_passes bench_float16; }
 run_bench_8b_q4() {
     step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
         --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
@@ -108,6 +111,7 @@ run_verify_cost_8b_q4() {
 run_forced_8b_q4() {
     step forced_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --forced tools/data/streams_seed101 -n 64 \
         --drafters none,auto --json "$OUT/forced_8b_q4.json"
+    slow_passes forced_8b_q4
 }
 run_verify_cost_8b_bf16() {
     step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost \
@@ -118,6 +122,7 @@ run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"
 run_bench_float16_kernels_off() {
     CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" \
         --json "$OUT/bench_float16_kernels_off.json"
+    slow_passes bench_float16_kernels_off
 }
 run_step_time() {
     step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
