@@ -624,3 +624,90 @@ def test_attach_checks_the_attention_rows_kernel_for_the_model_s_head_dim(monkey
     asked.clear()
     kernels.attach(llama.Model(args))
     assert asked == []
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """The CUDA routing on this CPU, each kernel replaced by its plain-MLX definition (`reference`):
+    what the engine sends the kernels, and what it does with their output, checked without a GPU.
+    Returns the calls each kernel got."""
+    from cacheback_mlx import activations
+    from cacheback_mlx import attention as cpu_attention
+
+    calls = {"matmul": 0, "sdpa": 0, "qmatmul": 0}
+    monkeypatch.setattr(activations, "enabled", False)  # the engine's CPU kernels (passes only) off:
+    monkeypatch.setattr(cpu_attention, "enabled", False)  # on a GPU the step's own ops run there
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    monkeypatch.setattr(kernels, "enabled", True)
+    monkeypatch.setattr(kernels, "attention_enabled", True)
+    monkeypatch.setattr(kernels, "sdpa_enabled", True)
+    monkeypatch.setattr(kernels, "_checked", {})
+    for dtype in rows_sdpa.DTYPES:
+        kernels._checked[dtype] = (True, "emulated")
+        for d in rows_sdpa.HEAD_DIMS:
+            kernels._checked[("sdpa", dtype, d)] = (True, "emulated")
+
+    def matmul(x, w):
+        calls["matmul"] += 1
+        return rows_matmul.reference(x, w)
+
+    def sdpa(*args):
+        calls["sdpa"] += 1
+        return rows_sdpa.reference(*args)
+
+    def qmatmul(x, w, scales, biases, bits, group_size, layout=None):
+        calls["qmatmul"] += 1
+        return rows_qmatmul.reference(x, w, scales, biases, bits, group_size)
+
+    for dtype in rows_qmatmul.DTYPES:
+        kernels._checked[(dtype, 4, 64)] = (True, "emulated")
+    monkeypatch.setattr(rows_matmul, "rows_matmul", matmul)
+    monkeypatch.setattr(rows_sdpa, "rows_sdpa", sdpa)
+    monkeypatch.setattr(rows_qmatmul, "rows_qmatmul", qmatmul)
+    return calls
+
+
+@pytest.mark.parametrize("family,bits", [("llama", None), ("qwen3", None), ("llama", 4)])
+def test_the_kernels_routing_gives_pass_rows_the_steps_bits_emulated(emulated_kernels, family, bits):
+    """On the CPU, kernels emulated by their definitions: a tree pass whose lead has two tokens
+    and which is padded gives every real row the logits of one-row steps along its path, bit for
+    bit; the matmul and the one-call attention were asked (and the padding rows attended nothing)."""
+    import importlib
+
+    from cacheback_mlx.kvcache import ModelCache
+    from cacheback_mlx.tree import DraftTree
+    from cacheback_mlx.verify import prefill, verify_pass
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    extra = ({"head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 512, "rope_theta": 1e4}
+             if family == "qwen3" else {})
+    args = module.ModelArgs(model_type=family, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
+                            **extra)
+    mx.random.seed(3)
+    model = module.Model(args)
+    if bits:  # mlx-lm's 4-bit layout, in float16 (the quantized kernel's activations)
+        model.set_dtype(mx.float16)
+        nn.quantize(model, group_size=64, bits=bits)
+    kernels.attach(model)
+    ids = [5, 17, 42, 7, 99, 3, 61]
+    lead = ids[-2:]  # two tokens lead the pass (a new turn's tail)
+    parents = np.array([-1, 0, 1, -1, 3, 0, 5])
+    tree = DraftTree(np.arange(11, 18), parents)
+    ours = ModelCache(model)
+    prefill(model, ours, ids[:-2])
+    got = verify_pass(model, ours, lead, tree, rows=16)  # padded to 16 rows
+    assert got.shape[0] == 1 + len(tree)
+    assert emulated_kernels["qmatmul" if bits else "matmul"] > 0
+    assert emulated_kernels["sdpa"] == args.num_hidden_layers
+    paths = [[]]
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent + 1] if parent >= 0 else []) + [node])
+    for row, path in enumerate(paths):
+        ref = make_prompt_cache(model)
+        model(mx.array(ids[:-2])[None], cache=ref)
+        for t in lead + [int(tree.tokens[j]) for j in path]:
+            last = model(mx.array([[t]]), cache=ref)[0, -1]
+        assert mx.array_equal(last, got[row]).item(), f"row {row}"
