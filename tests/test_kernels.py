@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -711,3 +711,43 @@ def test_the_kernels_routing_gives_pass_rows_the_steps_bits_emulated(emulated_ke
         for t in lead + [int(tree.tokens[j]) for j in path]:
             last = model(mx.array([[t]]), cache=ref)[0, -1]
         assert mx.array_equal(last, got[row]).item(), f"row {row}"
+
+
+def test_greedy_output_with_the_kernels_routing_emulated_equals_mlx_lm(emulated_kernels):
+    """End to end on the CPU in float16, kernels emulated by their definitions: adversarial drafters'
+    trees padded to GPU buckets, rolled back and kept, over a context that crosses the keys the
+    one-call attention takes (rows past them go one call each): mlx-lm's own greedy tokens."""
+    import sys
+    from pathlib import Path
+
+    from cacheback_mlx.drafters.base import NoDrafter
+    from cacheback_mlx.engine import GPU_BUCKETS, Engine
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import llama
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=120)
+    mx.random.seed(5)
+    model = llama.Model(args)
+    # weights scaled up (as tests/zoo.py's tiny models) so greedy decoding varies
+    model.update(tree_map_with_path(lambda p, w: w * 3.0 if p.endswith("weight") else w, model.parameters()))
+    model.set_dtype(mx.float16)
+    prompt = [(7 * i + 3) % 100 + 10 for i in range(236)]  # + 40 tokens: past 255 keys midway
+    n = 40
+    truth = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    assert len(set(truth)) >= 4
+    drafters = {"none": NoDrafter(), "oracle-tree": OracleDrafter(prompt, truth, extra_wrong_branches=2),
+                "wrong": WrongDrafter(lambda h: (truth + [0])[len(h) - len(prompt)]),
+                "random-0": RandomTreeDrafter(prompt, truth, seed=0, vocab=120),
+                "random-1": RandomTreeDrafter(prompt, truth, seed=1, vocab=120)}
+    for label, drafter in drafters.items():
+        calls = dict(emulated_kernels)
+        eng = Engine(model, eos_ids=[], drafter=drafter, context_length=1024, draft_budget=24, buckets=GPU_BUCKETS)
+        out = [t for step in eng.generate(prompt, n) for t in step]
+        assert out == truth, label
+        if label in ("oracle-tree", "random-0"):
+            assert emulated_kernels["sdpa"] > calls["sdpa"] and emulated_kernels["matmul"] > calls["matmul"], label
