@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -283,5 +284,10 @@ def plot(summary: dict, path: str | Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+_NUMBERS = re.compile(r"\[\s+(-?[\d.e+-]+(?:,\s+-?[\d.e+-]+)*)\s+\]")
+
+
 def save_json(runs: list[Run], summary: dict, path: str | Path, meta: dict) -> None:
-    Path(path).write_text(json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+    """The run as JSON: indented, each list of numbers (tokens, a pass's log) on one line."""
+    text = json.dumps({"meta": meta, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1)
+    Path(path).write_text(_NUMBERS.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text))

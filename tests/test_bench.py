@@ -60,6 +60,11 @@ def test_json_output(tmp_path):
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["meta"]["machine"] == "test" and len(data["runs"]) == 6
     assert data["summary"]["overall"]["ngram"]["mat"] == pytest.approx(2.0)
+    r[0].pass_log = [[1, 0, 5, 8.25], [8, 7, 6, 1e-05]]
+    B.save_json(r, B.summarize(r), tmp_path / "b.json", {"machine": "test"})
+    text = (tmp_path / "b.json").read_text()
+    assert f'"tokens": {json.dumps(r[0].tokens)}' in text  # a list of numbers on one line
+    assert "[8, 7, 6, 1e-05]" in text and json.loads(text)["runs"][0]["pass_log"][1] == [8, 7, 6, 1e-05]
 
 
 def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
