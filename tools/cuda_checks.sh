@@ -126,7 +126,7 @@ run_bench_float16_kernels_off() {
 }
 run_step_time() {
     step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
-        --steps 128 --rounds 5
+        --steps 128 --rounds 4
 }
 run_startup_profile() {
     step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 \

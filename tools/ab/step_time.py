@@ -12,8 +12,9 @@ mlx-lm's plain step and the engine's passes by rows, and what running steps ahea
    decoding (a backend that plans a kernel per shape plans it again for each).
 2. --steps plain steps one after another, tokens per second: mlx-lm's generate_step (which builds
    each step while the one before runs), the engine's steps with run-ahead off (build, run, read
-   in turn) and on (engine.Engine.set_run_ahead); --rounds rounds, each in another order, their
-   median and each round's figure.
+   in turn) and on (engine.Engine.set_run_ahead), and on with the engine's work on a stream of
+   its own (mx.new_stream, as mlx-lm's generate_step runs on one); --rounds rounds, each in
+   another order, their median and each round's figure.
 
 On a GPU at the default model's size a step is bound by its build, not the device: what makes
 it matter there (docs/BENCHMARKS.md, the GPU section). Runs on any backend.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 import cacheback_mlx  # noqa: F401 - first: it sets MLX's environment (blas.py, TF32)
 
@@ -111,10 +113,12 @@ def steps_table(mx, loaded, steps: int, cached: int, rounds: int):
     from mlx_lm.generate import generate_step
 
     prompt = [(7 * i + 3) % 1000 + 5 for i in range(cached)]
-    labels = ("mlx-lm generate_step", "engine, run-ahead off", "engine, run-ahead on")
+    labels = ("mlx-lm generate_step", "engine, run-ahead off", "engine, run-ahead on",
+              "engine, run-ahead on, own stream")
     seen = {label: [] for label in labels}
+    own = mx.new_stream(mx.default_device())
     for rnd in range(rounds):  # each round in another order: a machine warming up favours none
-        for label in labels[rnd % 3:] + labels[: rnd % 3]:
+        for label in labels[rnd % len(labels):] + labels[: rnd % len(labels)]:
             if label.startswith("mlx-lm"):
                 gen = generate_step(mx.array(prompt), loaded.model, max_tokens=steps + 1)
                 next(gen)  # the prefill and the first token
@@ -122,11 +126,12 @@ def steps_table(mx, loaded, steps: int, cached: int, rounds: int):
                 n = sum(1 for _ in gen)
             else:
                 engine = Engine(loaded.model, eos_ids=[], drafter=NoDrafter(), context_length=cached + steps + 8,
-                                draft_budget=0, run_ahead=label.endswith("on"))
-                gen = engine.generate(prompt, steps + 1)
-                next(gen)
-                t0 = time.perf_counter()
-                n = sum(len(x) for x in gen)
+                                draft_budget=0, run_ahead="run-ahead on" in label)
+                with mx.stream(own) if label.endswith("own stream") else nullcontext():
+                    gen = engine.generate(prompt, steps + 1)
+                    next(gen)
+                    t0 = time.perf_counter()
+                    n = sum(len(x) for x in gen)
             seen[label].append(n / (time.perf_counter() - t0))
     print("| plain steps | tok/s, median | each round |")
     print("|---|---:|---|")
