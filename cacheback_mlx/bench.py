@@ -77,6 +77,22 @@ def logging_passes(run: Run, engine):
         stop()
 
 
+def pass_medians(logs: list[list]) -> dict[int, float]:
+    """Median ms of a verify pass of each row count, over the pass logs given (Run.pass_log)."""
+    times = defaultdict(list)
+    for log in logs:
+        for rows, _, _, ms in log:
+            times[rows].append(ms)
+    return {rows: float(np.median(v)) for rows, v in sorted(times.items())}
+
+
+def stalls(logs: list[list], factor: float = 5.0) -> list[list]:
+    """Per pass log, its passes that took more than `factor` times the median of passes of as many
+    rows in all of them (a stall: a kernel compiled in the middle of a decoding, another process)."""
+    median = pass_medians(logs)
+    return [[p for p in log if p[3] > factor * median[p[0]]] for log in logs]
+
+
 def column_of(category: str) -> str:
     return "multi-turn conversation" if category in MT_BENCH else category
 

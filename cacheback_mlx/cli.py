@@ -399,6 +399,13 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     if mlx_diff:
         click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)",
                    err=True)
+    logged = [r for r in runs if r.pass_log]
+    slow = [(r, p) for r, passes in zip(logged, B.stalls([r.pass_log for r in logged], 10.0)) for p in passes]
+    if slow:
+        r, p = max(slow, key=lambda x: x[1][3])
+        click.echo(f"note: {len(slow)} pass(es) took over 10x the median of their row count (the slowest "
+                   f"{p[3]:.0f} ms, {p[0]} rows, on {r.prompt} with {r.drafter}; --json keeps every pass, "
+                   "tools/slow_passes.py lists them)", err=True)
     if bad:
         for m in bad:
             click.echo(f"LOSSLESS CHECK FAILED: {m}", err=True)

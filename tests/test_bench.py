@@ -94,3 +94,10 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
             assert sum(rows == 1 for rows, _, _, _ in r.pass_log) >= len(r.pass_log) - len(r.turns)
         cached = [c for _, _, c, _ in r.pass_log]
         assert cached[: r.turns[0]] == sorted(cached[: r.turns[0]])  # a turn's cache only grows
+
+
+def test_stalled_passes_are_those_far_past_the_median_of_their_row_count():
+    logs = [[[1, 0, 5, 8.0]] * 9 + [[1, 0, 14, 90.0]], [[8, 7, 3, 20.0], [8, 7, 11, 21.0], [8, 7, 19, 150.0]], []]
+    assert B.pass_medians(logs) == {1: 8.0, 8: 21.0}
+    assert B.stalls(logs, 5.0) == [[[1, 0, 14, 90.0]], [[8, 7, 19, 150.0]], []]
+    assert B.stalls(logs, 10.0) == [[[1, 0, 14, 90.0]], [], []]

@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections import defaultdict
+
+from cacheback_mlx.bench import pass_medians, stalls
 
 
 def by_rows(runs: list[dict]) -> dict[int, float]:
     """Median ms of a pass of each row count, over every run."""
-    times = defaultdict(list)
-    for r in runs:
-        for rows, _, _, ms in r.get("pass_log", []):
-            times[rows].append(ms)
-    return {rows: statistics.median(v) for rows, v in sorted(times.items())}
+    return pass_medians([r.get("pass_log", []) for r in runs])
 
 
 def slow(runs: list[dict], factor: float) -> list[tuple[dict, list]]:
     """(run, its passes slower than factor x the median at their row count), for runs that have some."""
-    median = by_rows(runs)
-    out = []
-    for r in runs:
-        bad = [p for p in r.get("pass_log", []) if p[3] > factor * median[p[0]]]
-        if bad:
-            out.append((r, bad))
-    return out
+    return [(r, bad) for r, bad in zip(runs, stalls([r.get("pass_log", []) for r in runs], factor)) if bad]
 
 
 def main(argv=None) -> int:
