@@ -101,6 +101,26 @@ def test_a_measurement_under_load_is_not_kept(tmp_path, monkeypatch):
     assert isinstance(f.keep_measured(m, reference=0.0099), CostTable) and isinstance(f.read(), CostTable)
 
 
+def test_a_measurement_warms_up_on_trees_and_times_chains(monkeypatch):
+    """The warm-up round's passes branch (a GPU compiles a tree pass's kernels there, not in the
+    first decoding); the timed rounds' are chains; every pass is undone."""
+    from cacheback_mlx import verify
+
+    import zoo
+
+    model = zoo.tiny_model("llama")
+    m = Measurement(model, (1, 4, 8), (16,), repeats=1, vocab=zoo.VOCAB)
+    sent = []
+    real = verify.verify_pass
+    monkeypatch.setattr(verify, "verify_pass", lambda mdl, cache, lead, tree, buckets=None:
+                        sent.append(tree) or real(mdl, cache, lead, tree, buckets))
+    while m.step():
+        pass
+    assert [len(t) for t in sent] == [0, 3, 7, 0, 3, 7]
+    assert [t.is_chain() for t in sent] == [True, False, False, True, True, True]
+    assert all(c.layers[0].offset == 16 for c in m.caches.values())  # only the prefilled context stays
+
+
 def test_sizer_learns_a_prior_from_prefill_and_passes_and_takes_a_table_later():
     prior = PriorCost(att=0.0, ratio=0.5)  # far off: a pass of 16 rows priced 5.7x one row
     sizer = Sizer(prior)
