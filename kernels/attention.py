@@ -77,11 +77,11 @@ class _Plan:
             else:
                 idx = _keys_seen(seen, row, cached)
                 self.keys.append((mx.array(np.pad(idx, (0, room - n))), n))
+        self.most_keys = max((n for _, n in self.keys), default=0)
+        self.real, self._keymap = real, None
         # rows seeing as many keys may share one call (Grouping), below STEP keys only: past them
         # the step runs another kernel (above), which a call over gathered keys never gets, and a
         # verdict reached on short contexts says nothing of it
-        self.most_keys = max((n for _, n in self.keys), default=0)
-        self.real, self._keymap = real, None
         counts = seen[:real].sum(axis=1)
         self.groups = [rows for c in np.unique(counts) for rows in
                        ([np.flatnonzero(counts == c)] if cached + c < STEP else
