@@ -34,8 +34,8 @@
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
 # LIMIT (seconds a step may run, default 240), TOTAL (no step runs past this many seconds from the
 # start, default 3600), STEPS (the steps to run, by the names of their logs, in that order; default
-# all of them in the order above), LIMIT_<step> (that step's own limit, e.g. LIMIT_forced_8b_q4=300:
-# building the 8B model, measuring its pass costs and 17 questions three ways took past 150 s).
+# all of them in the order above), LIMIT_<step> (that step's own limit; LIMIT_forced_8b_q4 is 300 unless
+# set: building the 8B model, measuring its pass costs and 17 questions three ways took past 150 s).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
@@ -45,6 +45,7 @@ PY=${PYTHON:-.venv/bin/python}
 TOKENS=${TOKENS:-128}
 LIMIT=${LIMIT:-240}
 TOTAL=${TOTAL:-3600}
+LIMIT_forced_8b_q4=${LIMIT_forced_8b_q4:-300}  # building the 8B model and its pass-cost table come first
 
 step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its end
     local name=$1
