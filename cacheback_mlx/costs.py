@@ -126,11 +126,10 @@ class PriorCost:
 
     @staticmethod
     def for_model(model, buckets: tuple[int, ...] | None = None) -> "PriorCost":
-        from .footprint import config, param_count
+        from .footprint import config, head_dim, param_count
 
         cfg = config(model)
-        heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-        dim = cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
+        heads, dim = cfg.get("num_attention_heads"), head_dim(model)
         layers = cfg.get("num_hidden_layers")
         params = param_count(model)
         att = 2.0 * layers * heads * dim / params if heads and dim and layers and params else 3e-4
@@ -202,9 +201,9 @@ def from_json(data: dict, buckets: tuple[int, ...] | None = None) -> CostTable |
 
 class Measurement:
     """Times passes of every (cached tokens, rows) cell, round-robin, `repeats` rounds after a
-    warm-up round (a new shape may compile; its passes are trees), keeping each cell's fastest: a busy machine slows
-    some passes, never speeds them up, and round-robin over contexts and sizes alike spreads a
-    slow spell over all of them. step() does one prefill chunk or one pass, so a server can
+    warm-up round (a new shape may compile; its passes are trees), keeping each cell's fastest: a
+    busy machine slows some passes, never speeds them up, and round-robin over contexts and sizes
+    alike spreads a slow spell over all of them. step() does one prefill chunk or one pass, so a server can
     measure between requests. Uses its own caches (the model's real ones are not touched); each
     pass is undone."""
 

@@ -55,6 +55,14 @@ def config(model) -> dict:
     return out
 
 
+def head_dim(model) -> int | None:
+    """The model's attention head dim, from its config (None where it does not say)."""
+    cfg = config(model)
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    dim = cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
+    return int(dim) if dim else None
+
+
 def _is_quantized(module) -> bool:
     return "scales" in module and hasattr(module, "bits")
 

@@ -63,6 +63,7 @@ CUDNN_ENV = "CACHEBACK_MLX_CUDNN_PASSES"
 cudnn_passes = os.environ.get(CUDNN_ENV, "0") == "1"  # let MLX give verify passes cuDNN's attention
 _checked: dict = {}  # dtype, or (dtype, bits, group size) for quantized layers -> (ok, reason), once a process
 _biased: dict = {}  # dtype -> (ok, reason): biased layers row by row (rows_addmm), once a process
+_sdpa: dict = {}  # (dtype, head dim) -> (ok, reason): attention rows in one call (rows_sdpa), once a process
 _local = threading.local()
 
 
@@ -130,7 +131,7 @@ def usable_sdpa(dtype, head_dim: int) -> bool:
     if (not (enabled and sdpa_enabled and on_cuda()) or dtype not in rows_sdpa.DTYPES
             or head_dim not in rows_sdpa.HEAD_DIMS):
         return False
-    return _once(_checked, ("sdpa", dtype, head_dim), lambda: rows_sdpa.check(dtype, head_dim),
+    return _once(_sdpa, (dtype, head_dim), lambda: rows_sdpa.check(dtype, head_dim),
                  f"one-call attention rows off for {dtype}, head dim {head_dim} (a call per row instead)")
 
 
@@ -158,8 +159,7 @@ def usable_biased(dtype) -> bool:
 def _exact_linear(dtype) -> bool:
     """Whether a pass's linear layers in this dtype have the one-row bits here: a checked kernel,
     plain or quantized (the row-by-row attention is worth its cost only then)."""
-    quantized = [ok for key, (ok, _) in _checked.items() if isinstance(key, tuple) and key[0] == dtype
-                 and isinstance(key[1], int)]
+    quantized = [ok for key, (ok, _) in _checked.items() if isinstance(key, tuple) and key[0] == dtype]
     if any(quantized):
         return True
     return usable(dtype) if not quantized or dtype in _checked else False
@@ -193,10 +193,10 @@ def describe() -> str:
         ok, reason = _checked[dtype]
         parts.append(f"{dtype}: {'on' if ok else 'off'} ({reason})")
     for key, (ok, reason) in _checked.items():
-        if isinstance(key, tuple) and key[0] == "sdpa":
-            parts.append(f"one-call attention rows {key[1]}, head dim {key[2]}: {'on' if ok else 'off'} ({reason})")
-        elif isinstance(key, tuple):
+        if isinstance(key, tuple):
             parts.append(f"{key[1]}-bit {key[0]}, groups of {key[2]}: {'on' if ok else 'off'} ({reason})")
+    for (dtype, dim), (ok, reason) in _sdpa.items():
+        parts.append(f"one-call attention rows {dtype}, head dim {dim}: {'on' if ok else 'off'} ({reason})")
     for dtype, (ok, reason) in _biased.items():
         parts.append(f"biased layers {dtype}: {'row by row' if ok else 'off'} ({reason})")
     attention = ("on" if attention_enabled else f"off ({ATTENTION_ENV}=0)")
@@ -308,34 +308,26 @@ def attach(model) -> int:
     """Route the model's plain and quantized linear layers through exact_rows /
     exact_rows_quantized (kernels/linear.py), and check the kernels now for their dtypes (bits and
     group sizes) rather than in the first pass; returns how many layers."""
+    from ..footprint import head_dim
     from .linear import convert
 
     kinds = convert(model)
+    dtypes = set()
     for kind in set(kinds):
         if isinstance(kind, tuple) and kind[0] == "biased":
             usable_biased(kind[1])
+            dtypes.add(kind[1])
         elif isinstance(kind, tuple):
             usable_quantized(*kind)
+            dtypes.add(kind[0])
         else:
             usable(kind)
-    head_dim = _head_dim(model)
-    if kinds and attention_enabled and head_dim:  # the attention rows' kernel too, for the pass's dtype
-        for dtype in {k[1] if isinstance(k, tuple) and k[0] == "biased" else k[0] if isinstance(k, tuple) else k
-                      for k in kinds}:
-            usable_sdpa(dtype, head_dim)
+            dtypes.add(kind)
+    dim = head_dim(model)
+    if attention_enabled and dim:  # the attention rows' kernel too, in the dtypes the passes run
+        for dtype in dtypes:
+            usable_sdpa(dtype, dim)
     return len(kinds)
-
-
-def _head_dim(model) -> int | None:
-    """The model's attention head dim, from its mlx-lm args (None where they do not say)."""
-    args = getattr(model, "args", None)
-    if args is None:
-        return None
-    dim = getattr(args, "head_dim", None)
-    if dim:
-        return int(dim)
-    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
-    return hidden // heads if hidden and heads else None
 
 
 __all__ = ["attach", "describe", "exact_rows", "exact_rows_biased", "exact_rows_quantized", "exactness",

@@ -28,7 +28,7 @@
 #
 #     tools/cuda_checks.sh [OUT]        (default OUT: cuda_checks; logs and JSON go there)
 #
-# Before taking a GPU: `python -m tools.nvrtc_check --fetch` compiles every kernel build here as
+# Before a run on a GPU host: `python -m tools.nvrtc_check --fetch` compiles every kernel build here as
 # MLX will there (a build that does not compile there only shows in the logs of the run).
 #
 # Environment: PYTHON (default .venv/bin/python), TOKENS (bench tokens a prompt, default 128),
