@@ -642,10 +642,11 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "attention_enabled", True)
     monkeypatch.setattr(kernels, "sdpa_enabled", True)
     monkeypatch.setattr(kernels, "_checked", {})
+    monkeypatch.setattr(kernels, "_sdpa", {})
     for dtype in rows_sdpa.DTYPES:
         kernels._checked[dtype] = (True, "emulated")
         for d in rows_sdpa.HEAD_DIMS:
-            kernels._checked[("sdpa", dtype, d)] = (True, "emulated")
+            kernels._sdpa[(dtype, d)] = (True, "emulated")
 
     def matmul(x, w):
         calls["matmul"] += 1
@@ -751,3 +752,31 @@ def test_greedy_output_with_the_kernels_routing_emulated_equals_mlx_lm(emulated_
         assert out == truth, label
         if label in ("oracle-tree", "random-0"):
             assert emulated_kernels["sdpa"] > calls["sdpa"] and emulated_kernels["matmul"] > calls["matmul"], label
+
+
+def test_every_family_s_greedy_output_with_the_kernels_routing_emulated_equals_mlx_lm(emulated_kernels):
+    """The kernels' routing (emulated on the CPU, float32) on every architecture family the engine
+    takes, with trees where the family takes them and an adversarial drafter: mlx-lm's own greedy
+    tokens (sliding windows, shared KV, MoE and recurrent layers keep their own paths)."""
+    import sys
+    from pathlib import Path
+
+    from cacheback_mlx.engine import GPU_BUCKETS, Engine
+
+    from mlx_lm.generate import generate_step
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zoo
+    from adversarial import RandomTreeDrafter
+
+    prompt = [(5 * i + 7) % 100 + 3 for i in range(24)]
+    routed = 0
+    for family in zoo.FAMILIES:
+        model = zoo.tiny_model(family)
+        truth = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+        before = emulated_kernels["matmul"]
+        eng = Engine(model, eos_ids=[], drafter=RandomTreeDrafter(prompt, truth, seed=2, vocab=zoo.VOCAB),
+                     context_length=512, draft_budget=16, buckets=GPU_BUCKETS)
+        assert [t for step in eng.generate(prompt, 16) for t in step] == truth, family
+        routed += emulated_kernels["matmul"] > before
+    assert routed == len(zoo.FAMILIES)  # the matmul was asked in every family

@@ -61,3 +61,10 @@ def test_a_build_that_does_not_compile_is_reported(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "FAILED  cacheback_rows_qmv(T=float16, BITS=4, GROUP=64" in out
     assert "floating_point_nvrtc.h" in out and "2 of the builds failed to compile" in out
+
+
+def test_nothing_fetched_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        nvrtc_check.main(["--dir", str(tmp_path)])
+    said = str(e.value)
+    assert "\n" not in said and said.startswith("nvrtc_check: ") and "run with --fetch" in said

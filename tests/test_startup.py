@@ -121,6 +121,18 @@ def test_a_measurement_warms_up_on_trees_and_times_chains(monkeypatch):
     assert all(c.layers[0].offset == 16 for c in m.caches.values())  # only the prefilled context stays
 
 
+def test_a_measurement_runs_on_every_family():
+    """Its warm-up trees go through every architecture family's pass (recurrent and windowed ones
+    included, whose decoding sends chains), each undone."""
+    import zoo
+
+    for family in zoo.FAMILIES:
+        m = Measurement(zoo.tiny_model(family), (1, 4), (8,), repeats=1, vocab=zoo.VOCAB)
+        while m.step():
+            pass
+        assert sorted(m.table().table[8]) == [1, 4], family
+
+
 def test_sizer_learns_a_prior_from_prefill_and_passes_and_takes_a_table_later():
     prior = PriorCost(att=0.0, ratio=0.5)  # far off: a pass of 16 rows priced 5.7x one row
     sizer = Sizer(prior)
