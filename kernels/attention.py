@@ -67,7 +67,7 @@ class _Plan:
 
     def __init__(self, seen: np.ndarray, cached: int, real: int, capacity: int | None, layout: bool):
         self.seen, self.cached = seen, cached
-        self.keys: list[tuple[mx.array | None, int]] = []
+        self.keys: list[tuple[np.ndarray | None, int]] = []
         for row in range(real):
             cols = np.flatnonzero(seen[row])
             n = cached + cols.size
@@ -75,8 +75,8 @@ class _Plan:
             if cols.size and cols[-1] == cols.size - 1 and (room == n or room == capacity):
                 self.keys.append((None, n))  # pass rows 0..k: a slice of the pass's buffer
             else:
-                idx = _keys_seen(seen, row, cached)
-                self.keys.append((mx.array(np.pad(idx, (0, room - n))), n))
+                self.keys.append((np.pad(_keys_seen(seen, row, cached), (0, room - n)), n))
+        self._gathered: dict[int, mx.array] = {}  # row -> its key indices on the device, once asked
         self.most_keys = max((n for _, n in self.keys), default=0)
         self.real, self._keymap = real, None
         # rows seeing as many keys may share one call (Grouping), below STEP keys only: past them
@@ -99,6 +99,13 @@ class _Plan:
                 keymap[row, :n] = _keys_seen(self.seen, row, self.cached)
             self._keymap = (mx.array(keymap), mx.array(counts))
         return self._keymap
+
+    def gathered(self, row: int) -> mx.array:
+        """Row `row`'s key indices (padded to its buffer's length) as a device array, made once a
+        pass (not for a pass whose rows all go in one call, which never asks)."""
+        if row not in self._gathered:
+            self._gathered[row] = mx.array(self.keys[row][0])
+        return self._gathered[row]
 
     def group_keys(self, rows: list[int]) -> tuple[mx.array, mx.array]:
         """A group's key indices [G, n] and its rows [G], as device arrays."""
@@ -136,6 +143,7 @@ def _one_row(stock, queries, keys, values, cache, scale, sinks, plan, row):
     if idx is None:
         k, v = keys[:, :, :n], values[:, :, :n]
     else:  # gathered, into a buffer of whole STEPs past STEP keys: attend over its first n
+        idx = plan.gathered(row)
         k, v = mx.take(keys, idx, axis=2)[:, :, :n], mx.take(values, idx, axis=2)[:, :, :n]
     q = step_query(queries, row) if n >= STEP and cache_layout else queries[:, :, row : row + 1]
     return stock(q, k, v, cache=cache, scale=scale, mask=None, sinks=sinks)
