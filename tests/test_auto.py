@@ -465,16 +465,19 @@ def test_auto_learns_which_tokens_the_model_takes_beside_the_sources_evidence():
         t.root = root
         t.add(-1, [50, 7], "own", 3)
         t.add(-1, [60, 7], "own", 3)
+        t.open_all()
         return t
     t = trie(9)
-    before = [d.scorer.p(t.features(i)) for i in (0, 2)]
+    first = [t.child[tok] for tok in (50, 60)]  # the root's children ((-1 + 1) << 32 | token)
+    before = [d.scorer.p(t.features(i)) for i in first]
     assert before[0] == pytest.approx(before[1])  # nothing tells them apart yet
     for _ in range(40):
         d.scorer.learn_trie(t.tokens, t.parents, t.features, [50, 7])
-    after = [d.scorer.p(t.features(i)) for i in (0, 2)]
+    after = [d.scorer.p(t.features(i)) for i in first]
     assert after[0] > 0.5 > after[1]
     other_root = trie(11)  # the token alone still counts after another token
-    assert d.scorer.p(other_root.features(0)) > d.scorer.p(other_root.features(2))
+    assert d.scorer.p(other_root.features(other_root.child[50])) > d.scorer.p(other_root.features(other_root.child[60]))
+    assert all(t.score(i, d.scorer.w, d.scorer.bias) == d.scorer.p(t.features(i)) for i in range(len(t.tokens)))
     assert all(0 <= f[1] <= PAIR_MASK for f in t.features(0) if f[0] == "pair")
 
 
@@ -737,7 +740,8 @@ def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
     d.observe(text[:-30])
     d.learn(text[-30:])  # evidence beside the history too
     tree = d.propose(text[:-30], budget)
-    tokens, parents, feats, _ = d._last
+    d._last.open_all()  # every candidate, placed or not
+    tokens, parents, feats = d._last.tokens, d._last.parents, d._last.features
     path, key = [], []
     for i, p in enumerate(parents):  # every candidate's path probability and token path
         path.append(d.scorer.p(feats(i)) * (path[p] if p >= 0 else 1.0))
@@ -753,3 +757,68 @@ def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
         assert s == pytest.approx(by_key[k], rel=1e-12)
     left = [s for k, s in by_key.items() if k not in set(sent)]
     assert not left or max(left) <= min(tree.scores) + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_trie_placed_as_it_is_opened_equals_one_placed_whole(seed):
+    """auto's trie places a continuation's tokens only as the nodes above them are opened. Every
+    node must come out as if each continuation had been placed whole when it was added: the same
+    evidence (in the same order: it is the order of the scorer's sum), the same counts, children in
+    the same order, and `order` ranking nodes as their creation would have. Checked against a
+    brute-force account by token path, with nodes opened in a random order between additions."""
+    from cacheback_mlx.drafters.auto import _Trie
+
+    rng = random.Random(seed)
+    trie, calls = _Trie(), []  # calls: (parent path, continuations, source, first strength, weights)
+
+    def add(parent_path, node, source):
+        conts = [[rng.randrange(5) for _ in range(rng.randrange(0, 5))] for _ in range(rng.randrange(1, 7))]
+        retrieved = source in ("own", "ssd", "rest")
+        weights = [rng.randrange(1, 4) for _ in conts] if retrieved else None
+        first = rng.randrange(1, 9) if retrieved else 0
+        trie.add_all(node, conts, source, first, weights=weights)
+        calls.append((parent_path, conts, source, first, weights))
+
+    for source in ("own", "own", "ssd", "rest"):  # retrievals at the root, before it is opened
+        add((), -1, source)
+    opened = {-1: ()}
+    trie.open(-1)
+    for _ in range(12):  # lookups at opened nodes, nodes opened in between, as best-first does
+        node, path = rng.choice(list(opened.items()))
+        add(path, node, rng.choice(("dyn", "frz")))
+        kids = trie.kids.get(node, [])
+        if kids:
+            c = rng.choice(kids)
+            trie.open(c)
+            opened[c] = path + (trie.tokens[c],)
+    trie.open_all()
+
+    ev, count, first_at = {}, {}, {}
+    key = 0
+    for parent_path, conts, source, strength0, weights in calls:
+        for k, cont in enumerate(conts):
+            strength, w = (strength0 + k, 1) if weights is None else (strength0, weights[k])
+            for j in range(len(cont)):
+                path = parent_path + tuple(cont[: j + 1])
+                first_at.setdefault(path, key)
+                key += 1
+                e = ev.setdefault(path, {})
+                if source not in e or strength > e[source][0]:
+                    e[source] = (strength, j)
+                if weights is not None:
+                    count.setdefault(source, {})[path] = count.get(source, {}).get(path, 0) + w
+            if weights is not None and cont and not parent_path:
+                count.setdefault(source, {})[()] = count.get(source, {}).get((), 0) + w
+    paths = {}
+    for i, p in enumerate(trie.parents):
+        paths[i] = (paths[p] if p >= 0 else ()) + (trie.tokens[i],)
+    assert sorted(paths.values()) == sorted(ev)  # the same nodes
+    for i, path in paths.items():
+        assert list(trie.ev[i].items()) == list(ev[path].items())
+        for source, c in trie.count.items():
+            assert c.get(i, 0) == count.get(source, {}).get(path, 0)
+    assert all(c.get(-1, 0) == count.get(s, {}).get((), 0) for s, c in trie.count.items())
+    assert len(set(trie.order)) == len(trie.order)  # no ties: the heap never compares node numbers
+    assert sorted(paths, key=trie.order.__getitem__) == sorted(paths, key=lambda i: first_at[paths[i]])
+    for node, kids in trie.kids.items():
+        assert kids == sorted(kids, key=trie.order.__getitem__)

@@ -23,6 +23,7 @@ the engine sizes the pass from them (budget.py), down to no draft at all when no
 from __future__ import annotations
 
 import heapq
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -64,17 +65,29 @@ def _frac(part: int, whole: int) -> int:
 
 
 class _Trie:
-    """Candidates of one step. Node i: tokens[i], parents[i] (-1 = root's child), depth[i]; per
-    source the strongest evidence for the node and the number of continuations through it."""
+    """Candidates of one step, placed only as far as they are looked at. Node i: tokens[i],
+    parents[i] (-1 = root's child), depth[i]; per source the strongest evidence for the node and
+    the number of continuations through it.
+
+    A continuation added below a node whose children nobody has asked for yet waits there
+    (`tails`); `open(node)` places the first token of every continuation waiting at the node (its
+    children) and leaves the rest waiting at them. The drafter opens the nodes it takes and the
+    nodes on the model's path when it learns, so most of the ~900 candidates a budget of 63 gathers
+    are never placed. `order[i]` is the node's place in the order every continuation would have been
+    placed at once (call, then continuation, then position: the first that reaches the node), so
+    ties, children's order and evidence come out as if every continuation had been placed whole."""
 
     def __init__(self):
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depth: list[int] = []
+        self.order: list[int] = []
         self.child: dict[int, int] = {}  # (parent + 1) << 32 | token -> node
         self.kids: dict[int, list[int]] = {}  # node (-1: the root) -> its children, in order of arrival
         self.ev: list[dict] = []  # per node: source -> (match length or rank, position in path)
         self.count: dict[str, dict[int, int]] = {}  # retrieved source -> continuations through each node (-1: all)
+        self.tails: dict[int, list | None] = {-1: []}  # node -> continuations waiting below it (None: opened)
+        self.calls = 0  # add_all calls so far (the first part of `order`)
         self.root = -1  # the root's token (the last one of the history)
 
     def add(self, parent: int, tokens: Sequence[int], source: str, strength: int, weight: int = 1) -> None:
@@ -88,36 +101,71 @@ class _Trie:
         """add() for each continuation, in one call, as a lookup or a retrieval adds dozens: the k-th
         with strength first + k (a table's followers of the parent's token, by rank), or with
         `weights` (a retrieval's continuations, identical ones grouped: how many times each came)
-        each with strength `first` and its own weight."""
-        child, evs, kids, depth = self.child, self.ev, self.kids, self.depth
-        tokens, parents = self.tokens, self.parents
-        counts = self.count.setdefault(source, {}) if source in RETRIEVED else None
-        top = 0 if parent < 0 else depth[parent]
+        each with strength `first` and its own weight. Below an opened node the first tokens are
+        placed now, the rest wait at them."""
+        call = self.calls << 40
+        self.calls += 1
+        counted = source in RETRIEVED
         ranked = weights is None
-        for k, cont in enumerate(continuations):
-            strength, w = (first + k, weight) if ranked else (first, weights[k])
-            node, d = parent, top
-            for j, t in enumerate(cont):
-                d += 1
-                key = (node + 1) << 32 | t
-                nxt = child.get(key)
-                if nxt is None:
-                    nxt = child[key] = len(tokens)
-                    tokens.append(t)
-                    parents.append(node)
-                    depth.append(d)
-                    evs.append({source: (strength, j)})
-                    kids.setdefault(node, []).append(nxt)
+        waiting = [(cont, 0, source, first + k if ranked else first, weight if ranked else weights[k],
+                    call | k << 20, counted) for k, cont in enumerate(continuations) if len(cont)]
+        if counted:
+            counts = self.count.setdefault(source, {})
+            if parent < 0:
+                counts[-1] = counts.get(-1, 0) + sum(w[4] for w in waiting)
+        tails = self.tails[parent]
+        if tails is None:
+            self._place(parent, waiting)
+        else:
+            tails.extend(waiting)
+
+    def open(self, node: int) -> list[int]:
+        """Place what waits below `node`; its children, in order of arrival."""
+        tails = self.tails[node]
+        if tails is not None:
+            self.tails[node] = None
+            self._place(node, tails)
+        return self.kids.get(node, [])
+
+    def open_all(self) -> None:
+        """Place every candidate (tests look at the whole trie)."""
+        todo = [-1]
+        while todo:
+            todo.extend(self.open(todo.pop()))
+
+    def _place(self, parent: int, waiting: list) -> None:
+        child, evs, depth, tails, count = self.child, self.ev, self.depth, self.tails, self.count
+        tokens, parents, order = self.tokens, self.parents, self.order
+        kids = self.kids.setdefault(parent, [])
+        d = (depth[parent] if parent >= 0 else 0) + 1
+        high = (parent + 1) << 32
+        for item in waiting:
+            cont, j, source, strength, w, key, counted = item
+            t = cont[j]
+            nxt = child.get(high | t)
+            if nxt is None:
+                nxt = child[high | t] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+                depth.append(d)
+                order.append(key | j)
+                evs.append({source: (strength, j)})
+                kids.append(nxt)
+                tails[nxt] = []
+            else:
+                ev = evs[nxt]
+                old = ev.get(source)
+                if old is None or strength > old[0]:
+                    ev[source] = (strength, j)
+            if counted:
+                counts = count[source]
+                counts[nxt] = counts.get(nxt, 0) + w
+            if j + 1 < len(cont):
+                rest = tails[nxt]
+                if rest is None:  # opened already: placed at once
+                    self._place(nxt, [(cont, j + 1, source, strength, w, key, counted)])
                 else:
-                    ev = evs[nxt]
-                    old = ev.get(source)
-                    if old is None or strength > old[0]:
-                        ev[source] = (strength, j)
-                if counts is not None:
-                    counts[nxt] = counts.get(nxt, 0) + w
-                node = nxt
-            if counts is not None and parent < 0 and cont:
-                counts[-1] = counts.get(-1, 0) + w
+                    rest.append((cont, j + 1, source, strength, w, key, counted))
 
     def features(self, i: int) -> list:
         """The node's features for the scorer: what each source says about it, which sources
@@ -147,11 +195,43 @@ class _Trie:
         return feats
 
 
+    def score(self, i: int, w: dict, bias: float) -> float:
+        """Scorer.p(self.features(i)) for a scorer with weights w and bias, without building the
+        list: the same weights added in the same order (the same bits). Every scored node of
+        every step goes through here."""
+        ev, p = self.ev[i], self.parents[i]
+        token = self.tokens[i]
+        get = w.get
+        sources = tuple(ev)
+        given = _FROM.get(sources)
+        if given is None:
+            given = _FROM[sources] = ("from",) + tuple(sorted(sources))
+        s = get(_DEPTH[min(self.depth[i], 6)], 0.0)
+        s += get(("token", token), 0.0)
+        s += get(("pair", hash((self.tokens[p] if p >= 0 else self.root, token)) & PAIR_MASK), 0.0)
+        s += get(given, 0.0)
+        for source, (strength, j) in ev.items():
+            s += get(_AT[source][min(j, 3)], 0.0)
+            if source in RETRIEVED:
+                s += get(_BUCKET[source][_bucket(strength)], 0.0)
+                counts = self.count[source]
+                whole = counts.get(p, 0)
+                if whole:
+                    s += get(_FRAC[source][_frac(counts.get(i, 0), whole)], 0.0)
+            else:
+                s += get(_RANK[source][min(strength, 3)], 0.0)
+        if len(sources) > 1:
+            s += get(_AGREE[min(len(sources), 3)], 0.0)
+        z = bias + s
+        return 1.0 / (1.0 + math.exp(-z)) if z > -30 else 0.0
+
 # features() builds the same tuples over and over: made once here (equal tuples, equal weights)
 _DEPTH = [("depth", d) for d in range(7)]
 _AT = {s: [(s + "@", j) for j in range(4)] for s in RETRIEVED + tuple(TABLE_SOURCES.values())}
 _RANK = {s: [(s, k) for k in range(4)] for s in TABLE_SOURCES.values()}
 _AGREE = [("agree", k) for k in range(4)]
+_BUCKET = {s: {b: (s, b) for b in (0, 1, 2, 3, 4, 6, 10)} for s in RETRIEVED}
+_FRAC = {s: [(s + "%", f) for f in range(4)] for s in RETRIEVED}
 _FROM: dict[tuple, tuple] = {}  # the sources of a node, in the order they came -> ("from", sorted...)
 
 
@@ -177,7 +257,7 @@ class AutoDrafter(Drafter):
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
         self.max_expand = max_expand
         self.scorer = Scorer(PRIOR)
-        self._last: tuple | None = None  # the last step's candidates, labelled by the next observe
+        self._last: _Trie | None = None  # the last step's candidates, labelled by the next observe
         self.labelled = 0
         # What the scorer learned in earlier runs and other processes: kept beside SSD's store (one
         # per tokenizer) when that is kept on disk, so a one-off `generate` starts from it too.
@@ -197,8 +277,9 @@ class AutoDrafter(Drafter):
     def observe(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
         if self._last is not None:  # the tokens the model produced after the last proposal
-            trie_tokens, parents, feats, kids = self._last
-            self.labelled += self.scorer.learn_trie(trie_tokens, parents, feats, tokens, kids)
+            trie = self._last  # opened along the model's path as the labelling walks it
+            self.labelled += self.scorer.learn_trie(trie.tokens, trie.parents, trie.features, tokens,
+                                                    _Opening(trie))
             self._last = None
         self.tables.observe(tokens)
         if self.ssd is not None:
@@ -287,7 +368,7 @@ class AutoDrafter(Drafter):
             self._retrieved(trie, history, self.ssd, "ssd")
         if self.rest is not None:
             self._retrieved(trie, history, self.rest, "rest")
-        self._last = (trie.tokens, trie.parents, trie.features, trie.kids)
+        self._last = trie
         return self._best_first(trie, history[-1], budget, max_branching == 1)
 
     def _lookup(self, trie: _Trie, node: int, token: int) -> None:
@@ -297,26 +378,29 @@ class AutoDrafter(Drafter):
 
     def _best_first(self, trie: _Trie, root_token: int, budget: int, chain: bool) -> DraftTree:
         """The `budget` most probable nodes, best first. Best-first search from the root: the most
-        probable node not yet taken is taken next, looked up in the tables (its followers become its
-        children, or evidence for children it has: at most `max_expand` lookups, the root's
-        included), and only then are its children scored. A child's path probability never
-        exceeds its parent's, so nodes come out in order of path probability (ties: the shallower,
-        then the older) and only the children of taken nodes are ever scored. chain: one path,
-        the most probable child at each level."""
+        probable node not yet taken is taken next, opened and looked up in the tables (its
+        followers become its children, or evidence for children it has: at most `max_expand`
+        lookups, the root's included), and only then are its children scored. A child's path
+        probability never exceeds its parent's, so nodes come out in order of path probability
+        (ties: the shallower, then the older) and only the children of taken nodes are ever
+        scored. chain: one path, the most probable child at each level."""
         lookups = min(self.max_expand, 4 + budget // 2)
-        score, feats, kids, depth = self.scorer.p, trie.features, trie.kids, trie.depth
+        score, depth, order = trie.score, trie.depth, trie.order
+        w, bias = self.scorer.w, self.scorer.bias
+        trie.open(-1)
         self._lookup(trie, -1, root_token)
-        heap = [(-score(feats(c)), depth[c], c) for c in kids.get(-1, ())]
+        heap = [(-score(c, w, bias), depth[c], order[c], c) for c in trie.kids.get(-1, ())]
         heapq.heapify(heap)
         taken: list[int] = []
         path: list[float] = []
         while heap and len(taken) < budget:
-            neg, _, node = heapq.heappop(heap)
+            neg, _, _, node = heapq.heappop(heap)
             taken.append(node)
             path.append(-neg)
+            kids = trie.open(node)
             if len(taken) < lookups:
                 self._lookup(trie, node, trie.tokens[node])
-            children = [(neg * score(feats(c)), depth[c], c) for c in kids.get(node, ())]
+            children = [(neg * score(c, w, bias), depth[c], order[c], c) for c in kids]
             if chain:  # only this node's children remain candidates
                 heap = [min(children)] if children else []
             else:
@@ -325,3 +409,13 @@ class AutoDrafter(Drafter):
         new = {old: k for k, old in enumerate(taken)}
         return DraftTree([trie.tokens[i] for i in taken],
                          [-1 if trie.parents[i] < 0 else new[trie.parents[i]] for i in taken], path)
+
+
+class _Opening:
+    """A trie's children by node for Scorer.learn_trie, each node opened as it is asked for."""
+
+    def __init__(self, trie: _Trie):
+        self.trie = trie
+
+    def get(self, node: int, default=()) -> list[int]:
+        return self.trie.open(node) or list(default)
