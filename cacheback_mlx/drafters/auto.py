@@ -398,8 +398,10 @@ class AutoDrafter(Drafter):
             taken.append(node)
             path.append(-neg)
             kids = trie.open(node)
-            if len(taken) < lookups:
+            if len(taken) < lookups:  # (the last node's too: its followers are labelled after the pass)
                 self._lookup(trie, node, trie.tokens[node])
+            if len(taken) == budget:  # its children would never be taken
+                break
             children = [(neg * score(c, w, bias), depth[c], order[c], c) for c in kids]
             if chain:  # only this node's children remain candidates
                 heap = [min(children)] if children else []
