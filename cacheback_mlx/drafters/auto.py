@@ -194,7 +194,6 @@ class _Trie:
             feats.append(_AGREE[min(len(sources), 3)])
         return feats
 
-
     def score(self, i: int, w: dict, bias: float) -> float:
         """Scorer.p(self.features(i)) for a scorer with weights w and bias, without building the
         list: the same weights added in the same order (the same bits). Every scored node of
