@@ -742,6 +742,11 @@ def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
     tree = d.propose(text[:-30], budget)
     d._last.open_all()  # every candidate, placed or not
     tokens, parents, feats = d._last.tokens, d._last.parents, d._last.features
+    sources = {s for ev in d._last.ev for s in ev}
+    assert {"own", "dyn", "frz"} <= sources, sources  # the scores below cover those features
+    weights = {f: rng.uniform(-2, 2) for i in range(len(tokens)) for f in feats(i)}  # every feature counts
+    for i in range(len(tokens)):  # the scores best-first sums in place are the scorer's, bit for bit
+        assert d._last.score(i, weights, d.scorer.bias) == Scorer(weights, d.scorer.bias).p(feats(i))
     path, key = [], []
     for i, p in enumerate(parents):  # every candidate's path probability and token path
         path.append(d.scorer.p(feats(i)) * (path[p] if p >= 0 else 1.0))
