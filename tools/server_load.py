@@ -7,7 +7,8 @@ at a time on this machine.
 Each client sends one chat completion (greedy) at the same moment: a Spec-Bench first turn or a
 HumanEval prompt (a seeded sample, alternating); with `--rounds K`, K of them one after another
 (a steady load at a fixed concurrency); with `--kind infill`, llama.vim's /infill requests on
-click's core.py instead (our servers only). Per server and client count: aggregate completion
+click's core.py instead (our servers only); with `--vs-solo`, each request again alone (every
+server starting from the same state). Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
 latency, and whether every answer equals mlx-lm's server's (else ours `none`'s), text for text.
 """
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -134,6 +136,17 @@ def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = 
     return out, time.perf_counter() - t0
 
 
+def copy_cache(base: str, work: Path) -> str:
+    """A new cache folder holding what `base` holds: a server's measured pass costs, and the store
+    and scores its drafters kept after the warm-up. With --vs-solo every server starts from it, so
+    a request alone drafts from what it would have under load: alone one after another on one
+    server, a request drafted from the answers of the sample's other requests (which under load
+    run beside it, unseen), and ran faster alone than it could under load."""
+    folder = Path(tempfile.mkdtemp(dir=work)) / "cache"
+    shutil.copytree(base, folder)
+    return str(folder)
+
+
 @contextlib.contextmanager
 def serving(kind: str, folder: Path, port: int, parallel: int, cache: str):
     """A server of `kind` launched, ready and warmed up; the model name its requests give."""
@@ -165,8 +178,9 @@ def main(argv=None) -> None:
                          "servers only: mlx-lm's has no /infill)")
     ap.add_argument("--dump", default=None, help="write every answer's text here (JSON)")
     ap.add_argument("--vs-solo", action="store_true",
-                    help="then send every request alone to a fresh server, and report each one's latency under "
-                         "load against it")
+                    help="run each sample on a server of its own, then send each of its requests alone to a server "
+                         "of its own, every server starting from the same state (copy_cache), and report each "
+                         "request's latency under load against its latency alone")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -184,13 +198,21 @@ def main(argv=None) -> None:
     for kind in args.servers.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        with serving(kind, folder, port, parallel, tempfile.mkdtemp(dir=work)) as model:
-            for key, texts in samples.items():
-                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
-        if args.vs_solo:  # on a fresh server: this one's caches and drafters have seen the answers
+        if not args.vs_solo:  # one server for every sample
             with serving(kind, folder, port, parallel, tempfile.mkdtemp(dir=work)) as model:
                 for key, texts in samples.items():
-                    solo[(kind, key)] = [clients(url, [t], args.max_tokens, model)[0][0] for t in texts]
+                    results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
+            continue
+        base = tempfile.mkdtemp(dir=work)
+        with serving(kind, folder, port, parallel, base):
+            pass  # measured pass costs, and the warm-up's store and scores: where every server below starts
+        for key, texts in samples.items():
+            with serving(kind, folder, port, parallel, copy_cache(base, work)) as model:
+                results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
+            solo[(kind, key)] = []
+            for t in texts:
+                with serving(kind, folder, port, parallel, copy_cache(base, work)) as model:
+                    solo[(kind, key)].append(clients(url, [t], args.max_tokens, model)[0][0])
     if args.dump:
         answers = {f"{k}|{c}|{s}": [(o[0], o[3], o[1], round(o[2], 3)) for o in outs]  # (text, prompt tokens,
                    for k, runs in results.items() for (c, s), (outs, _) in runs.items()}  # tokens, seconds)
