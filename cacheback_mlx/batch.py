@@ -53,6 +53,27 @@ from .verify import padded_size, prefill, verify_pass
 
 
 @dataclass
+class LaneShare:
+    """One lane's part of a pass, as Batch.watch's listeners hear it."""
+
+    index: int  # the lane
+    offered: int  # drafts its drafter offered
+    expected: float  # their chances of acceptance, summed (None-scored drafts count 1 each)
+    sent: int  # drafts the plan sent
+    weight: float | None  # what its expected token was worth in share (None: not weighed)
+    produced: int  # tokens it produced in the pass
+
+
+@dataclass
+class SharedPassEvent:
+    """A pass of the decoding lanes (Batch.watch)."""
+
+    seconds: float
+    chunk: int  # prompt rows of a prefilling lane riding in it
+    lanes: list[LaneShare]
+
+
+@dataclass
 class Lane:
     """One request running in a Batch."""
 
@@ -96,6 +117,13 @@ class Batch:
         self.clock = 0  # requests started (which lane was used longest ago)
         self.costs = LaneCosts(engine.sizer) if engine.sizer is not None else None  # None: a fixed budget
         self.riding = Riding(ride if ride is not None or self.costs is not None else False)
+        self.watchers: list[Callable[[SharedPassEvent], None]] = []
+
+    def watch(self, fn: Callable[[SharedPassEvent], None]) -> Callable[[], None]:
+        """Call fn(SharedPassEvent) after every pass of the decoding lanes from now on (tools and
+        tests that look at how rows were shared out); returns a function that stops it."""
+        self.watchers.append(fn)
+        return lambda: self.watchers.remove(fn)
 
     def _new_stacks(self) -> list[KVStack] | None:
         return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
@@ -268,7 +296,7 @@ class Batch:
         eng = self.engine
         # draft: each lane within the tokens and context it has left
         t0 = time.perf_counter()
-        offers = []
+        offers, weights = [], None
         for lane in lanes:
             seq = lane.seq
             limit = min(lane.max_tokens - len(lane.tokens) - 1,
@@ -284,9 +312,9 @@ class Batch:
         elif self.side_by_side:  # one pass for all, each lane as wide as the widest
             counts = share_side_by_side(asked, self.costs.costs(len(lanes), context))
         elif self.reason is None:  # one pass for all
+            weights = self.lane_weights(lanes)
             counts = share(asked, self.costs.costs(len(lanes), context),  # as without the chunk: its rows
-                           self.lane_weights(lanes))  # would make any draft look cheap, and every draft
-            # sent delays the prompt
+                           weights)  # would make any draft look cheap, and every draft sent delays the prompt
         else:  # a pass each
             counts = [share([a], self.costs.costs(1, len(lane.seq.cached)))[0] for a, lane in zip(asked, lanes)]
         trees = [lane.sizer.send(t, cells, k) if s is not None else t.truncate(k)
@@ -329,6 +357,13 @@ class Batch:
             lane.stats.draft_s += draft_s / len(lanes)
             lane.stats.verify_s += seconds
             out.append((lane, produced))
+        if self.watchers:
+            event = SharedPassEvent(seconds, len(chunk), [
+                LaneShare(lane.index, len(a[1]), float(np.clip(a[1], 0.0, 1.0).sum()), len(tree),
+                          None if weights is None else weights[k], len(produced))
+                for k, (lane, a, tree, (_, produced)) in enumerate(zip(lanes, asked, trees, out))])
+            for fn in self.watchers:
+                fn(event)
         return out
 
     def _settle(self, lane: Lane, lead: list[int], tree: DraftTree, rows: int, picks: list[int]) -> list[int]:

@@ -72,6 +72,32 @@ def test_lanes_share_rows_by_measured_cost_and_stay_exact(family):
     assert [lane.tokens for lane in lanes] == [t for _, t in known]
 
 
+def test_watchers_hear_how_each_pass_shared_its_rows_out():
+    """Batch.watch: per pass of the decoding lanes, each lane's drafts offered, sent and the tokens
+    it produced; those add up to every lane's output, and the weights are what share was given."""
+    model = zoo.tiny_model("llama")
+    known = streams(model)
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, sizer=Sizer(CostTable({256: CURVE})))
+    batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=5))
+    heard = []
+    stop = batch.watch(heard.append)
+    lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS[:3], LENGTHS[:3])])
+    assert [lane.tokens for lane in lanes] == [t for _, t in known[:3]]
+    produced = {lane.index: 0 for lane in lanes}
+    for event in heard:
+        assert event.seconds > 0 and event.chunk >= 0
+        for x in event.lanes:
+            assert 0 <= x.sent <= x.offered and 0.0 <= x.expected <= x.offered and x.weight >= 1.0
+            assert 1 <= x.produced <= x.sent + 1
+            produced[x.index] += x.produced
+    assert produced == {lane.index: len(lane.tokens) for lane in lanes}
+    assert sum(x.sent for e in heard for x in e.lanes) == sum(lane.stats.drafted for lane in lanes) > 0
+    assert any(len(e.lanes) > 1 for e in heard)
+    stop()
+    batch.run([dict(prompt=PROMPTS[3], max_tokens=4)])
+    assert sum(len(e.lanes) for e in heard) == sum(lane.stats.passes for lane in lanes)  # nothing heard after stop
+
+
 def test_a_cancelled_lane_never_disturbs_the_others():
     model = zoo.tiny_model("llama")
     known = streams(model)
