@@ -139,9 +139,9 @@ def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = 
 def copy_cache(base: str, work: Path) -> str:
     """A new cache folder holding what `base` holds: a server's measured pass costs, and the store
     and scores its drafters kept after the warm-up. With --vs-solo every server starts from it, so
-    a request alone drafts from what it would have under load: alone one after another on one
-    server, a request drafted from the answers of the sample's other requests (which under load
-    run beside it, unseen), and ran faster alone than it could under load."""
+    a request alone drafts from what it would have under load (alone one after another on one
+    server, a request would draft from the answers of the sample's other requests, which under
+    load run beside it, unseen)."""
     folder = Path(tempfile.mkdtemp(dir=work)) / "cache"
     shutil.copytree(base, folder)
     return str(folder)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import click
 
+from tools.server_load import copy_cache
+
 WARM_UP = ["Say hello.", "Count to three."]
 
 
@@ -64,7 +66,7 @@ def run(seed: int, mode: str, clients: int, max_tokens: int, trace: bool) -> dic
     return {"requests": [done[k] for k in sorted(done)], "passes": passes}
 
 
-def spawn(cache: Path, seed: int, mode: str, clients: int, max_tokens: int, trace: bool) -> dict:
+def spawn(cache: Path | str, seed: int, mode: str, clients: int, max_tokens: int, trace: bool) -> dict:
     cmd = [sys.executable, "-m", "tools.ab.lane_latency", "--run", f"{seed}:{mode}", "--clients", str(clients),
            "--max-tokens", str(max_tokens)] + (["--trace"] if trace else [])
     out = subprocess.run(cmd, env={**os.environ, "XDG_CACHE_HOME": str(cache)}, capture_output=True, text=True)
@@ -90,16 +92,11 @@ def main(seeds: str, clients: int, max_tokens: int, trace: bool, one: str | None
         base = work / "base"
         spawn(base, 0, "warm", clients, max_tokens, False)
 
-        def fresh() -> Path:
-            folder = Path(tempfile.mkdtemp(dir=work)) / "cache"
-            shutil.copytree(base, folder)
-            return folder
-
         print("| seed | aggregate tok/s | in the batch / alone, per request | median | worst | passes, batch / alone |")
         print("|---:|---:|---|---:|---:|---|")
         for seed in [int(s) for s in seeds.split(",")]:
-            loaded = spawn(fresh(), seed, "batch", clients, max_tokens, trace)
-            alone = [spawn(fresh(), seed, str(k), clients, max_tokens, False)["requests"][0]
+            loaded = spawn(copy_cache(base, work), seed, "batch", clients, max_tokens, trace)
+            alone = [spawn(copy_cache(base, work), seed, str(k), clients, max_tokens, False)["requests"][0]
                      for k in range(len(loaded["requests"]))]
             reqs = loaded["requests"]
             for k, (a, b) in enumerate(zip(reqs, alone)):
