@@ -34,6 +34,7 @@ import httpx
 from tools.batch_bench import prompt_texts  # the same prompt sample as batch_bench
 
 EXE = str(Path(sys.executable).with_name("cacheback-mlx"))
+WARM_UP = ["Say hello.", "Count to three."]  # every server's first requests, before any is timed
 
 
 def free_port() -> int:
@@ -155,7 +156,7 @@ def serving(kind: str, folder: Path, port: int, parallel: int, cache: str):
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
         model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
-        clients(url, ["Say hello.", "Count to three."], 8, model)  # warm-up
+        clients(url, WARM_UP, 8, model)
         yield model
     finally:
         proc.terminate()

@@ -4,7 +4,7 @@ how each pass's rows were shared out among the lanes (Batch.watch).
 
     .venv/bin/python -m tools.ab.lane_latency --seeds 330,331,332 [--clients 4] [--max-tokens 128] [--trace]
 
-A first process runs the warm-up (as tools.server_load's servers do) into a cache folder; then per
+A first process runs the warm-up (tools.server_load's WARM_UP) into a cache folder; then per
 seed, one process runs the sample's requests at once in a batch of --clients lanes and one process
 per request runs it alone in such a batch, each on a copy of that folder (the measured pass costs,
 and the store and scores after the warm-up), so no run drafts from another's answers. The sample is
@@ -27,9 +27,7 @@ from pathlib import Path
 
 import click
 
-from tools.server_load import copy_cache
-
-WARM_UP = ["Say hello.", "Count to three."]
+from tools.server_load import WARM_UP, copy_cache
 
 
 def run(seed: int, mode: str, clients: int, max_tokens: int, trace: bool) -> dict:
