@@ -30,7 +30,8 @@ after that may block for good. So everything that must finish (joining the group
 check, each announced pass on every rank) runs under a watchdog (CACHEBACK_MLX_DIST_TIMEOUT
 seconds, default 60) that ends the process with a one-line error; and while rank 0 runs no pass
 (a server idles, a chat waits for input) it sends an empty message every HEARTBEAT s, so a
-follower whose rank 0 is gone ends after SILENCE s, and rank 0 learns that a follower is gone.
+follower whose rank 0 is gone ends after silence() s (CACHEBACK_MLX_DIST_SILENCE, default 15), and
+rank 0, whose heartbeat then does not go through in as long, learns that a follower is gone.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ MODES = ("tensor", "pipeline")
 MSG = 64  # ints per broadcast; a longer message takes a second collective
 TRIM, PREFILL, VERIFY, FINISH, STOP = 1, 2, 3, 4, 5
 HEARTBEAT = 1.0  # seconds between rank 0's empty messages while no pass runs
-SILENCE = 15.0  # seconds without a word from rank 0 after which a follower gives up
+SILENCE = 15.0  # seconds without a word from rank 0 after which a follower gives up (silence())
 TENSOR_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
@@ -108,17 +109,36 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
+def silence() -> float:
+    """Seconds without a word from rank 0 after which a follower gives up, and that rank 0's
+    heartbeat may take before rank 0 gives a follower up (CACHEBACK_MLX_DIST_SILENCE, SILENCE)."""
+    return _seconds("CACHEBACK_MLX_DIST_SILENCE", SILENCE)
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e6:
+        raise CachebackError(f"{name} must be a number of seconds above 0 (got {value!r})")
+    return seconds
+
+
 def watch(what: str, seconds: float | None = None):
     """A block that must finish within `seconds` (default CACHEBACK_MLX_DIST_TIMEOUT, 60)."""
     global _watchdog
     if _watchdog is None:
         _watchdog = Watchdog()
     if seconds is None:
-        seconds = float(os.environ.get("CACHEBACK_MLX_DIST_TIMEOUT", 60))
+        seconds = _seconds("CACHEBACK_MLX_DIST_TIMEOUT", 60.0)
         why = (f"{what} did not finish in {seconds:.0f} s: a rank is gone or stuck "
                "(CACHEBACK_MLX_DIST_TIMEOUT sets the limit)")
     else:
-        why = f"{what} for {seconds:.0f} s: it is gone or stuck"
+        why = f"{what} for {seconds:.0f} s: gone or stuck"
     return _watchdog.armed(why, seconds)
 
 
@@ -149,10 +169,10 @@ class Leader:
     def _post(self, op: int, ints) -> None:
         self.queue += [op, len(ints), *ints]
 
-    def _send(self, ints: list[int], what: str):
+    def _send(self, ints: list[int], what: str, seconds: float | None = None):
         """Broadcast under watch; a lost link ends rank 0 here, in one line."""
         try:
-            with watch(what):
+            with watch(what, seconds):
                 broadcast(self.group, ints)
         except RuntimeError as e:
             if is_link_error(e):
@@ -167,7 +187,7 @@ class Leader:
             if time.monotonic() - self.last >= HEARTBEAT and self.lock.acquire(blocking=False):
                 try:
                     if not self.stopped:
-                        self._send([], "a heartbeat to the other ranks")
+                        self._send([], "the other ranks have not answered rank 0's heartbeat", silence())
                 finally:
                     self.lock.release()
 
@@ -230,7 +250,7 @@ def follow(node: "Node") -> None:
 
     engine = Engine(node.loaded.model, [], NoDrafter(), node.loaded.context_length)
     while True:
-        with watch("rank 0 has been silent", SILENCE):
+        with watch("rank 0 has been silent", silence()):
             msg = broadcast(node.group, None)
         with watch("a pass announced by rank 0"):
             if not run_ops(msg, engine.model, engine.cache, node.rank):

@@ -50,13 +50,13 @@ class Ranks:
         self.tmp = tmp_path
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, commands: list[list[str]], stdin: bool = False) -> list[subprocess.Popen]:
+    def start(self, commands: list[list[str]], stdin: bool = False, **extra: str) -> list[subprocess.Popen]:
         hostfile = self.tmp / f"hosts-{len(self.procs)}.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(commands))]))
         procs = []
         for rank, cmd in enumerate(commands):
             env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), CACHEBACK_MLX_DIST_TIMEOUT="10",
-                       PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+                       PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **extra)
             procs.append(subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True))
         self.procs += procs
@@ -186,10 +186,10 @@ def test_cli_generate_through_mlx_launch_prints_what_one_process_prints(ring, fo
     assert out == single.stdout
 
 
-def chat_ranks(ranks, folder):
+def chat_ranks(ranks, folder, **env: str):
     """Two chat ranks, both up: rank 0 has printed its banner and waits for input."""
     cmd = CLI + ["chat", "-m", str(folder), "--drafter", "ngram", "-n", "8", "--distributed", "tensor"]
-    procs = ranks.start([cmd, cmd], stdin=True)
+    procs = ranks.start([cmd, cmd], stdin=True, **env)
     banner = procs[0].stdout.readline()  # the follower is in its loop once rank 0 prints this
     assert banner.startswith("cacheback-mlx chat"), (procs[0].stderr.read()[-2000:] if procs[0].poll() is not None
                                                      else banner)
@@ -199,10 +199,10 @@ def chat_ranks(ranks, folder):
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_ends_the_other_with_a_one_line_error(ring, folders, ranks, victim):
     """Both ranks idle (rank 0's chat waits for input): SIGKILL one; the other must notice by
-    itself (rank 0's heartbeat fails, or the follower hears nothing for SILENCE s) and exit 1."""
-    from cacheback_mlx.distributed import SILENCE
-
-    procs = chat_ranks(ranks, folders["llama"])
+    itself (rank 0's heartbeat fails or is not answered, or the follower hears nothing, for
+    SILENCE s) and exit 1."""
+    SILENCE = 4
+    procs = chat_ranks(ranks, folders["llama"], CACHEBACK_MLX_DIST_SILENCE=str(SILENCE))
     procs[victim].kill()
     procs[victim].wait(timeout=10)
     other = procs[1 - victim]
@@ -216,6 +216,22 @@ def test_a_killed_rank_ends_the_other_with_a_one_line_error(ring, folders, ranks
     line = last_line(err)
     assert line.startswith("error: ") and ("lost a rank" in line or "gone or stuck" in line), err[-2000:]
     assert "Traceback" not in err
+
+
+def test_the_watchdog_limits_from_the_environment(monkeypatch):
+    from cacheback_mlx import distributed
+
+    monkeypatch.delenv("CACHEBACK_MLX_DIST_SILENCE", raising=False)
+    assert distributed.silence() == distributed.SILENCE
+    monkeypatch.setenv("CACHEBACK_MLX_DIST_SILENCE", "2.5")
+    assert distributed.silence() == 2.5
+    for bad in ("abc", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv("CACHEBACK_MLX_DIST_SILENCE", bad)
+        with pytest.raises(CachebackError, match="CACHEBACK_MLX_DIST_SILENCE must be a number of seconds"):
+            distributed.silence()
+        monkeypatch.setenv("CACHEBACK_MLX_DIST_TIMEOUT", bad)
+        with pytest.raises(CachebackError, match="CACHEBACK_MLX_DIST_TIMEOUT must be a number of seconds"):
+            distributed.watch("a pass")
 
 
 def test_a_model_mlx_lm_cannot_shard_that_way_is_refused_in_one_line_on_every_rank(ring, folders, ranks):
