@@ -77,7 +77,8 @@ def test_weights_stored_transposed_match_mlx_lm_on_the_loaded_layout(default_mod
     w = stock.model.layers[0].mlp.up_proj.weight
     assert memoryview(w).strides[0] > memoryview(w).strides[1]  # as loaded
     ids, ours = plain_outputs["raw"]
-    assert ours == [int(t) for t, _ in generate_step(mx.array(ids), stock, max_tokens=N)]
+    n = N // 4  # a matmul's layout shows at every step
+    assert ours[:n] == [int(t) for t, _ in generate_step(mx.array(ids), stock, max_tokens=n)]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, 
         eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16,
                      run_ahead=True)
         for mode, (ids, truth) in plain_outputs.items():
-            assert [t for step in eng.generate(ids, N) for t in step] == truth, (name, mode)
+            assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
             assert eng.stats.ahead > 0 or name == "auto", mode  # auto may draft at every pass here
 
 
