@@ -702,6 +702,7 @@ def test_draft_budget_still_caps_the_per_step_budget():
 
 def test_pass_costs_are_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(costs, "NOISY", float("inf"))  # kept however busy the machine (the guard: test_startup)
     model = zoo.tiny_model("llama")
     t = load_or_measure(model, "tiny-llama", 4096, vocab=zoo.VOCAB)
     files = list((tmp_path / "cacheback-mlx" / "verify-cost").glob("*.json"))
