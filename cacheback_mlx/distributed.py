@@ -164,6 +164,7 @@ class Leader:
         self.in_pass = False  # a verify pass was announced and its finish not yet
         self.lock = threading.Lock()  # one message or pass at a time, heartbeats included
         self.last = time.monotonic()
+        self.silence = silence()  # read once here, not in the heartbeat's thread
         threading.Thread(target=self._heartbeat, daemon=True, name="cacheback-heartbeat").start()
 
     def _post(self, op: int, ints) -> None:
@@ -187,7 +188,7 @@ class Leader:
             if time.monotonic() - self.last >= HEARTBEAT and self.lock.acquire(blocking=False):
                 try:
                     if not self.stopped:
-                        self._send([], "the other ranks have not answered rank 0's heartbeat", silence())
+                        self._send([], "the other ranks have not answered rank 0's heartbeat", self.silence)
                 finally:
                     self.lock.release()
 
@@ -376,6 +377,7 @@ def start(spec: str | None, mode: str, dtype: str | None = None, drafter: str = 
 
     if mode not in MODES:
         raise CachebackError(f"--distributed must be one of {', '.join(MODES)} (got {mode!r})")
+    silence()  # bad limits in the environment: every rank fails alike, before joining
     dtype = dtype or default_dtype()
     path = model_folder(spec)
     with watch("joining the distributed group (is every rank started?)"):

@@ -277,3 +277,8 @@ def test_distributed_without_a_launcher_or_with_a_gguf_is_a_one_line_error(folde
                            text=True, timeout=WAIT, env=env, cwd=HERE)
         assert r.returncode == 1 and r.stderr.strip().startswith(f"error: {want}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(CLI + ["generate", "-m", str(folders["llama"]), "--distributed", "tensor", "abc"],
+                       capture_output=True, text=True, timeout=WAIT, env={**env, "CACHEBACK_MLX_DIST_SILENCE": "soon"},
+                       cwd=HERE)
+    assert r.returncode == 1 and r.stderr.strip() == ("error: CACHEBACK_MLX_DIST_SILENCE must be a number of seconds "
+                                                      "above 0 (got 'soon')"), r.stderr
