@@ -49,7 +49,8 @@ def main(model, context, layouts, repeats):
 
     print(f"{lm.name}: {L} layers, {H} heads, {Hk} key heads of {D}; {context} cached keys a lane; "
           f"ms for every layer, median of {repeats}")
-    print("| lanes x rows | stacked ms | of it matmuls ms | KV MB | GB/s | solo pass, as many rows, ms | stacked / solo |")
+    print("| lanes x rows | stacked ms | of it matmuls ms | KV MB | GB/s | solo pass, as many rows, ms "
+          "| stacked / solo |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for layout in layouts.split(";"):
         lanes, rows = (int(x) for x in layout.split("x"))
