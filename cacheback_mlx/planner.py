@@ -64,23 +64,29 @@ class CostPlanner:
     def lead_tail(self, uncached: int, cached: int) -> int:
         """How many of a prompt's `uncached` last tokens go through the first pass, with its drafts,
         rather than through prefill: up to LEAD_TAIL (a short new turn then takes no prefill call
-        of its own), unless those rows would cost more than TAIL_SLACK times as much in the pass (by
-        the pass-cost table) as prefilling them has cost here: every row of a pass also runs the
-        output head, which prefill never evaluates, and where a pass costs each row anew (MLX's
-        4-bit matmul on the CPU) the tail's rows cost several times their prefill (then 1: only
-        the last token leads). Recurrent models: 1 (a pass not accepted whole is undone)."""
+        of its own), unless those rows would cost more in the pass (by the pass-cost table) than
+        prefilling them has cost here, times TAIL_SLACK where the tail is all the prompt left (it
+        then saves a prefill call too), else times PREFILLING_SLACK (the rest is prefilled anyway,
+        and the tail's tokens would only join it): every row of a pass also runs the output head,
+        which prefill never evaluates, and where a pass costs each row anew (MLX's 4-bit matmul on
+        the CPU) or each row reads other experts (mixture-of-experts layers) the tail's rows cost
+        more than their prefill (then 1: only the last token leads). Recurrent models: 1 (a pass
+        not accepted whole is undone)."""
         tail = min(LEAD_TAIL, uncached)
         if self.recurrent or tail <= 1:
             return 1
         if self.prefill_rate is None:  # nothing prefilled here yet: the rows priced alike
             return tail
         extra = self.sizer.price(tail, cached) - self.sizer.price(1, cached)
-        return tail if extra <= self.TAIL_SLACK * (tail - 1) * self.prefill_rate else 1
+        slack = self.TAIL_SLACK if tail == uncached else self.PREFILLING_SLACK
+        return tail if extra <= slack * (tail - 1) * self.prefill_rate else 1
 
-    # The tail also saves the prefill call itself, and both costs are estimates. On a 2-core x86
-    # CPU a 150-token prompt's 48-token tail costs the default model less in a pass than in
-    # prefill, and a 4-bit model on MLX's CPU path about three times more (docs/BENCHMARKS.md §5).
+    # Both costs are estimates. On a 2-core x86 CPU a 150-token prompt's 48-token tail costs the
+    # default model ~0.9x in a pass what it costs in prefill, a mixture-of-experts model ~1.6x
+    # (its first token then came 16% later than mlx-lm's), and a 4-bit model on MLX's CPU path
+    # about three times as much (docs/BENCHMARKS.md §5).
     TAIL_SLACK = 2.0
+    PREFILLING_SLACK = 1.25
 
     def draft_cap(self, lead: int, cached: int, limit: int) -> int:
         limit = min(self.budget, limit)

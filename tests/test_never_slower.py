@@ -160,6 +160,25 @@ def test_the_prompt_s_tail_goes_where_its_rows_cost_less():
     assert CostPlanner(Sizer(table(CURVES["flat"])), 63, recurrent=True).lead_tail(150, 0) == 1
 
 
+def test_a_tail_that_costs_somewhat_more_in_a_pass_leads_only_when_it_saves_a_prefill_call():
+    """A tail whose rows cost 1.6x in the pass what prefilling them costs (a mixture-of-experts
+    model on the CPU): prefilled with the rest of a long prompt, but a short new turn, all of it
+    uncached, still leads the first pass (it saves a prefill call of its own)."""
+    from cacheback_mlx.planner import LEAD_TAIL, CostPlanner
+
+    plan = CostPlanner(Sizer(table(CURVES["cpu"])), 63)
+    for ratio, long_tail in ((1.6, 1), (1.1, LEAD_TAIL)):
+        extra = plan.sizer.price(LEAD_TAIL, 0) - plan.sizer.price(1, 0)
+        plan.prefill_rate = extra / (ratio * (LEAD_TAIL - 1))
+        assert plan.lead_tail(150, 0) == long_tail, ratio
+        assert plan.lead_tail(LEAD_TAIL, 0) == LEAD_TAIL, ratio  # all that is uncached: 2x slack
+        extra = plan.sizer.price(30, 0) - plan.sizer.price(1, 0)
+        plan.prefill_rate = extra / (ratio * 29)
+        assert plan.lead_tail(30, 0) == 30, ratio
+    plan.prefill_rate = extra / (2.5 * 29)  # far dearer in the pass: prefilled even when all that is left
+    assert plan.lead_tail(30, 0) == 1
+
+
 def test_a_prompt_whose_tail_costs_more_in_a_pass_is_prefilled_whole(random_model):
     """The first pass then holds the last prompt token and its drafts only; the output is plain
     decoding's. Without a prefill seen before, the request's own prefill (all but the tail) decides."""
