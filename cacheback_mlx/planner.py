@@ -82,7 +82,7 @@ class CostPlanner:
         return tail if extra <= slack * (tail - 1) * self.prefill_rate else 1
 
     # Both costs are estimates. On a 2-core x86 CPU a 150-token prompt's 48-token tail costs the
-    # default model ~0.9x in a pass what it costs in prefill, a mixture-of-experts model ~1.6x
+    # default model ~0.9x in a pass what it costs in prefill, a mixture-of-experts model ~1.5x
     # (its first token then came 16% later than mlx-lm's), and a 4-bit model on MLX's CPU path
     # about three times as much (docs/BENCHMARKS.md §5).
     TAIL_SLACK = 2.0

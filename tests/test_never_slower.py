@@ -162,7 +162,7 @@ def test_the_prompt_s_tail_goes_where_its_rows_cost_less():
 
 def test_a_tail_that_costs_somewhat_more_in_a_pass_leads_only_when_it_saves_a_prefill_call():
     """A tail whose rows cost 1.6x in the pass what prefilling them costs (a mixture-of-experts
-    model on the CPU): prefilled with the rest of a long prompt, but a short new turn, all of it
+    model's cost ~1.5x on the CPU): prefilled with the rest of a long prompt, but a short new turn, all of it
     uncached, still leads the first pass (it saves a prefill call of its own)."""
     from cacheback_mlx.planner import LEAD_TAIL, CostPlanner
 
