@@ -392,7 +392,7 @@ class Engine:
         while i < len(tokens):  # one announced pass per chunk
             if i and stop is not None and stop():
                 return i
-            part = tokens[i : i + (chunk(self.seq.cache.length) if callable(chunk) else chunk)]
+            part = tokens[i : i + (chunk(self.seq.cache.length, len(tokens) - i) if callable(chunk) else chunk)]
             i += len(part)
             t0, cached = time.perf_counter(), self.seq.cache.length
             with self.peers.prefill(part):

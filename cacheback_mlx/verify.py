@@ -91,18 +91,23 @@ PREFILL_CHUNK = 512
 MLX_LM_PREFILL_CHUNK = 2048  # mlx_lm.generate.generate_step's prefill_step_size
 
 
-def cpu_prefill_chunk(cached: int) -> int:
+def cpu_prefill_chunk(cached: int, left: int | None = None) -> int:
     """The CPU's prefill chunk after `cached` tokens: 128, and 64 past 4,096. Per token these run
     about as fast as chunks of 512 (docs/BENCHMARKS.md §9: within 10% at 8k, faster at 1k), and a
     chunk's time bounds how long a cancelled or stopped prefill goes on (on a 2-core CPU, the
-    default model: ~1.8 s at 4k cached tokens, ~3 s at 8k). Fixed by the position, never by the
-    clock: the same prompt is always cut the same way, so it always gives the same output."""
-    return 64 if cached > 4096 else 128
+    default model: ~1.8 s at 4k cached tokens, ~3 s at 8k). With `left`, the tokens still to
+    prefill: a last piece of at most half a chunk joins the chunk before it, so no chunk reads all
+    the weights for a few tokens (a mixture-of-experts model's chunk reads every expert). Fixed by
+    the position and the prompt, never by the clock: the same prompt is always cut the same way,
+    so it always gives the same output."""
+    size = 64 if cached > 4096 else 128
+    return left if left is not None and left <= size + size // 2 else size
 
 
 def prefill(model, cache: ModelCache, tokens: list[int], chunk=PREFILL_CHUNK, timed=None, stop=None) -> int:
     """Put tokens into the caches (in chunks, to bound memory on long prompts); returns how many.
-    chunk: tokens a chunk takes at most, or a function of the cached tokens that gives it.
+    chunk: tokens a chunk takes at most, or a function of the cached tokens and the tokens left
+    that gives it (cpu_prefill_chunk).
     timed(rows, cached, seconds), if given, hears what each chunk took; stop(), if given, is asked
     before each chunk but the first, and True ends the prefill there (the chunks done stay)."""
     i = 0
@@ -110,7 +115,7 @@ def prefill(model, cache: ModelCache, tokens: list[int], chunk=PREFILL_CHUNK, ti
         if i and stop is not None and stop():
             return i
         t0, cached = time.perf_counter(), cache.length
-        part = tokens[i : i + (chunk(cached) if callable(chunk) else chunk)]
+        part = tokens[i : i + (chunk(cached, len(tokens) - i) if callable(chunk) else chunk)]
         cache.begin_pass()
         with activations.engine_pass():
             model(mx.array(part, dtype=mx.int32)[None], cache=cache.layers)

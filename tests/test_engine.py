@@ -375,3 +375,21 @@ def test_half_precision_on_a_gpu_feeds_the_prompt_as_mlx_lm_does(monkeypatch):
     # a request sharing passes with others (a server's lanes) is not exact in any layout: it
     # keeps the engine's chunks, which hold the other lanes' passes up less
     assert eng.chunk_rule() == 2048 and eng.chunk_rule(beside_others=True) != 2048
+
+
+def test_a_short_last_prefill_chunk_joins_the_one_before():
+    """On the CPU a prompt's last piece of at most half a chunk goes in the chunk before it, so no
+    chunk reads all the weights for a few tokens; a longer one keeps a chunk of its own."""
+    from cacheback_mlx.verify import cpu_prefill_chunk
+
+    import zoo
+
+    assert cpu_prefill_chunk(0) == 128 and cpu_prefill_chunk(0, 500) == 128
+    assert cpu_prefill_chunk(0, 192) == 192 and cpu_prefill_chunk(0, 193) == 128
+    assert cpu_prefill_chunk(5000, 96) == 96 and cpu_prefill_chunk(5000, 97) == 64
+    model = zoo.tiny_model("llama")
+    for n, want in ((179, [179]), (250, [128, 122]), (300, [128, 172]), (60, [60])):
+        cache, rows = ModelCache(model), []
+        prefill(model, cache, [(7 * i) % 90 + 1 for i in range(n)], cpu_prefill_chunk,
+                timed=lambda r, cached, seconds: rows.append(r))
+        assert rows == want and cache.length == n, (n, rows)
