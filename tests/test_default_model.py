@@ -62,6 +62,22 @@ def test_passes_rolled_back_across_a_256_position_boundary_match_mlx_lm(default_
     assert eng.stats.passes < 24 and max(lengths) == 512 and all(n % 256 == 0 for n in lengths)
 
 
+def test_a_last_prefill_piece_joined_to_the_chunk_before_matches_mlx_lm(default_model):
+    """A 180-token prompt: its prefill ends in one chunk of more than 128 rows (a last piece of at
+    most half a chunk joins the chunk before it, verify.cpu_prefill_chunk), then draft trees; the
+    tokens are mlx-lm's."""
+    from adversarial import RandomTreeDrafter
+
+    prompt = [(13 * i + 3) % 5000 + 100 for i in range(180)]
+    truth = [int(t) for t, _ in generate_step(mx.array(prompt), default_model.model, max_tokens=16)]
+    eng = Engine(default_model.model, [], RandomTreeDrafter(prompt, truth, seed=3, vocab=5000),
+                 default_model.context_length, draft_budget=8)
+    chunks = []
+    eng.watch(lambda event: event.kind == "prefill" and chunks.append(event.rows))
+    assert [t for step in eng.generate(prompt, 16) for t in step] == truth
+    assert chunks and chunks[0] > 128, chunks
+
+
 def test_weights_stored_transposed_match_mlx_lm_on_the_loaded_layout(default_model, plain_outputs, monkeypatch):
     """The loader stores the weights [in, out] for OpenBLAS (blas.transpose_weights): the engine
     on them gives mlx-lm's greedy tokens on the model loaded in its own layout."""

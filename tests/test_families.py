@@ -331,8 +331,9 @@ def test_warm_up_prefill_then_edited_prompts_equal_mlx_lm(family):
 
 def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
     """A 700-token prompt: the prefill takes chunks of several rows (the CPU attention in blocks
-    of 16 rows), then the steps attend over more than MIN_KEYS_ONE_ROW cached keys,
-    where even one-row steps use attention.py. Token for token mlx-lm's own greedy decoding."""
+    of 16 rows; the last piece joins the chunk before it, verify.cpu_prefill_chunk), then the
+    steps attend over more than MIN_KEYS_ONE_ROW cached keys, where even one-row steps use
+    attention.py. Token for token mlx-lm's own greedy decoding."""
     from cacheback_mlx import attention
     from cacheback_mlx.verify import cpu_prefill_chunk
 
@@ -342,8 +343,12 @@ def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
     truth = reference(model, prompt, 16)
     for label, d in {"none": NoDrafter(), "random": RandomTreeDrafter(prompt, truth, seed=5),
                      "oracle": OracleDrafter(prompt, truth)}.items():
-        out, _ = run(model, d, prompt=prompt, n=16, draft_budget=12)
+        eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=12)
+        chunks = []
+        eng.watch(lambda event: event.kind == "prefill" and chunks.append(event.rows))
+        out, _ = run(model, d, prompt=prompt, n=16, engine=eng)
         assert out == truth, (name, label)
+        assert max(chunks) > cpu_prefill_chunk(0), (name, label, chunks)  # a last piece joined the chunk before
 
 
 def test_passes_rolled_back_across_a_256_position_boundary_equal_mlx_lm(family):
