@@ -67,8 +67,9 @@ class CostPlanner:
         of its own), unless those rows would cost more in the pass (by the pass-cost table) than
         prefilling them has cost here, times TAIL_SLACK where the tail is all the prompt left (it
         then saves a prefill call too), else times PREFILLING_SLACK (the rest is prefilled anyway,
-        and the tail's tokens would only join it): every row of a pass also runs the output head,
-        which prefill never evaluates, and where a pass costs each row anew (MLX's 4-bit matmul on
+        and the tail's tokens would only join it): every row of a pass also runs the output head and
+        the last layer's attention output and feed-forward, which prefill never evaluates (no
+        cache needs them), and where a pass costs each row anew (MLX's 4-bit matmul on
         the CPU) or each row reads other experts (mixture-of-experts layers) the tail's rows cost
         more than their prefill (then 1: only the last token leads). Recurrent models: 1 (a pass
         not accepted whole is undone)."""
