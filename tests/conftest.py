@@ -142,10 +142,14 @@ def private_cache_home(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Soak tests (10 minutes) run only when asked for with -m soak, whatever else -m says."""
-    if "soak" in (config.getoption("markexpr") or "") and "not soak" not in config.getoption("markexpr"):
-        return
-    skip = pytest.mark.skip(reason="soak test: run with -m soak")
-    for item in items:
-        if "soak" in item.keywords:
-            item.add_marker(skip)
+    """Soak tests (10 minutes) and the long versions of checks that have a short one run only when
+    asked for (-m soak, -m long), whatever else -m says."""
+    expr = config.getoption("markexpr") or ""
+    for mark, reason in (("soak", "soak test: run with -m soak"),
+                         ("long", "the long version (a short one runs always): run with -m long")):
+        if mark in expr and f"not {mark}" not in expr:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if mark in item.keywords:
+                item.add_marker(skip)

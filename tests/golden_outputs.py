@@ -21,12 +21,13 @@ STREAMS = 6  # recorded streams replayed offline
 BUDGET = 7
 
 
-def live() -> dict:
+def live(names=tuple(DRAFTERS)) -> dict:
     from cacheback_mlx.api import Session
 
     out = {}
     session = None
-    for name, params in DRAFTERS.items():
+    for name in names:
+        params = DRAFTERS[name]
         if session is None:
             session = Session(drafter=name, fixed_budget=True, draft_budget=BUDGET, **params)
         else:

@@ -404,10 +404,10 @@ def test_cli_card_generate_stats_and_errors(ggufs):
 def test_default_model_self_n_lossless(default_model):
     """In a draft process (in this one: test_default_model.py, and the stats on tiny models above)."""
     prompt = list(default_model.tokenizer.encode("The three primary colors are red, yellow and"))
-    truth = plain(default_model.model, prompt, 40)
+    truth = plain(default_model.model, prompt, 20)
     d = make_drafter("card", fingerprint=vocab_fingerprint(default_model.tokenizer), target=default_model,
                      draft="self:8", parallel=True, wait_ms=5000)
-    out, eng = run(default_model.model, d, prompt, 40)
+    out, eng = run(default_model.model, d, prompt, 20)
     assert out == truth
     assert eng.stats.mat > 1.0 and d.stats()["tokens from cache"] > 0
     d.close()

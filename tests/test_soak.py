@@ -143,7 +143,7 @@ def check(result: dict, growth_mb: float) -> None:
 
 
 def test_short_soak(server):
-    check(soak(server, 20.0), growth_mb=60)
+    check(soak(server, 12.0), growth_mb=60)
 
 
 @pytest.mark.soak
