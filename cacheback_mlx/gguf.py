@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
+from . import dequant
 from .errors import CachebackError
 
 # GGUF block tensor -> mlx-lm module path, per family
@@ -235,8 +236,10 @@ def quant_bits(weight: mx.array, scales: mx.array, group_size: int = 32) -> int:
     return weight.shape[-1] * 32 // cols
 
 
-def load_gguf_model(path: str | Path, dtype: str) -> tuple[nn.Module, dict]:
-    """An mlx-lm Model of the file's family with its weights, in `dtype` ("native" keeps quantization)."""
+def load_gguf_model(path: str | Path, dtype: str, in_out: bool = False) -> tuple[nn.Module, dict]:
+    """An mlx-lm Model of the file's family with its weights, in `dtype` ("native" keeps quantization);
+    with `in_out`, float32 weights dequantized on the CPU come as transposed views of [in, out]
+    copies (the layout blas.transpose_weights stores)."""
     weights, meta = read_gguf(path)
     args = model_args(meta, weights)
     arch = architecture(meta)
@@ -259,10 +262,13 @@ def load_gguf_model(path: str | Path, dtype: str) -> tuple[nn.Module, dict]:
         target = mx.float16
     else:
         target = getattr(mx, dtype)
-        for p in quantized:
-            w, s, b = named.pop(p + ".weight"), named.pop(p + ".scales"), named.pop(p + ".biases")
-            named[p + ".weight"] = mx.dequantize(w, s, b, group_size=32, bits=quant_bits(w, s))
-    named = {k: (v.astype(target) if v.dtype in (mx.float32, mx.float16, mx.bfloat16) else v)
+        parts = {p: (named.pop(p + ".weight"), named.pop(p + ".scales"), named.pop(p + ".biases")) for p in quantized}
+        fast = dequant.to_float32({p: (w, s, b, quant_bits(w, s)) for p, (w, s, b) in parts.items()},
+                                  in_out) if target == mx.float32 else {}
+        for p, (w, s, b) in parts.items():
+            named[p + ".weight"] = fast[p] if p in fast else mx.dequantize(w, s, b, group_size=32,
+                                                                           bits=quant_bits(w, s))
+    named = {k: (v.astype(target) if v.dtype in (mx.float32, mx.float16, mx.bfloat16) and v.dtype != target else v)
              for k, v in named.items()}
     try:
         model.load_weights(list(named.items()), strict=True)

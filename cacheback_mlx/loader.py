@@ -128,7 +128,7 @@ def _load(model: str | os.PathLike | None, dtype: str | None) -> LoadedModel:
 
 
 def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
-    model, meta = load_gguf_model(path, dtype)
+    model, meta = load_gguf_model(path, dtype, in_out=blas.weight_layout_wanted())
     tokenizer = tokenizer_from_gguf(meta)
     arch = meta_value(meta, "general.architecture")
     context = int(meta_value(meta, f"{arch}.context_length", 4096))
