@@ -7,9 +7,9 @@ and after the sum. Here the same two roundings happen in float32 on numpy (in pl
 per core): a float16 product of 11-bit numbers is exact in float32, and rounding a float32 sum to
 float16 rounds once as float16 would (24 >= 2 * 11 + 2 bits). Float16's subnormals need no case of
 their own: a product or sum below 2**-14 is a multiple of 2**-24 with at most 10 bits, exact in
-float32 and left alone by the rounding. A check of a slice against mx.dequantize guards the rest
-(a CPU whose float16 arithmetic fuses the multiply-add rounds once): where it differs, MLX's own
-dequantize runs."""
+float32 and left alone by the rounding. A check of a slice of each width against mx.dequantize
+guards the rest (a CPU whose float16 arithmetic fuses the multiply-add rounds once): where it
+differs, MLX's own dequantize runs."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _round_to_half(x: np.ndarray, scratch: np.ndarray) -> None:
 def _float32(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, in_out: bool) -> np.ndarray:
     """The float32 weight [out, in], or its [in, out] transpose, a band of groups at a time (the
     temporaries stay small, in cache)."""
-    packed = w.view(np.uint8)  # two 4-bit values a byte, the low one first
+    packed = w.view(np.uint8)  # 4 bits: two values a byte, the low one first
     rows, groups = scales.shape
     per_byte = 8 // bits
     x = np.empty((groups, GROUP, rows) if in_out else (rows, groups, GROUP), np.float32)
@@ -89,7 +89,7 @@ def to_float32(tensors: dict[str, tuple[mx.array, mx.array, mx.array, int]], in_
     """{name: (weight, scales, biases, bits)} -> {name: float32 weight [out, in]} (with `in_out`, the
     transposed view of an [in, out] copy); the tensors this path does not take are left out."""
     fast = {k: v for k, v in tensors.items() if applies(*v)}
-    if not fast or not _agrees(*next(iter(fast.values()))):
+    if not fast or not all(_agrees(*v) for v in {v[3]: v for v in fast.values()}.values()):  # each width
         return {}
     arrays = {k: tuple(np.asarray(a) for a in v[:3]) + (v[3],) for k, v in fast.items()}
 

@@ -63,9 +63,14 @@ def test_values_past_float16_s_range_and_other_layouts_are_left_to_mlx():
 def test_a_cpu_that_rounds_otherwise_gets_mlx_s_own_dequantize(monkeypatch):
     """The check on a slice finds a difference (here: one rounding, a fused multiply-add's) and
     hands every tensor back to MLX."""
-    tensors = {"a": (*quantized(64, 256, 4, 5), 4)}
-    assert set(dequant.to_float32(tensors, False)) == {"a"}
-    monkeypatch.setattr(dequant, "_round_to_half", lambda x, scratch: None)
+    tensors = {"a": (*quantized(64, 256, 4, 5), 4), "b": (*quantized(64, 256, 8, 6), 8)}
+    assert set(dequant.to_float32(tensors, False)) == {"a", "b"}
+    with monkeypatch.context() as m:
+        m.setattr(dequant, "_round_to_half", lambda x, scratch: None)
+        assert dequant.to_float32(tensors, False) == {}
+    exact = dequant._float32  # one width off is enough, even when the first tensor has the other
+    monkeypatch.setattr(dequant, "_float32", lambda w, s, b, bits, in_out: exact(w, s, b, bits, in_out)
+                        + (bits == 8) * np.float32(1e-3))
     assert dequant.to_float32(tensors, False) == {}
 
 
