@@ -263,7 +263,7 @@ def load_gguf_model(path: str | Path, dtype: str, in_out: bool = False) -> tuple
     else:
         target = getattr(mx, dtype)
         parts = {p: (named.pop(p + ".weight"), named.pop(p + ".scales"), named.pop(p + ".biases")) for p in quantized}
-        fast = dequant.to_float32({p: (w, s, b, quant_bits(w, s)) for p, (w, s, b) in parts.items()},
+        fast = dequant.to_float32({p: (w, s, b, quant_bits(w, s), 32) for p, (w, s, b) in parts.items()},
                                   in_out) if target == mx.float32 else {}
         for p, (w, s, b) in parts.items():
             named[p + ".weight"] = fast[p] if p in fast else mx.dequantize(w, s, b, group_size=32,

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas, footprint, malloc
+from . import blas, dequant, footprint, malloc
 from . import models as manifests
 from .errors import CachebackError
 from .gguf import load_gguf_model, meta_value
@@ -156,7 +156,7 @@ def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
             print(f"cacheback-mlx: {name}: {note}", file=sys.stderr, flush=True)
             dtype = "native"
         else:
-            _dequantize(model)
+            _dequantize(model, getattr(mx, dtype))
             model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
@@ -168,22 +168,26 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def _dequantize(model: nn.Module) -> None:
-    """Replace quantized layers with float ones (the CPU runs float32 matmuls much faster)."""
+def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Replace quantized layers with float ones (the CPU runs float32 matmuls much faster); to
+    float32 on the CPU through dequant.py, laid out as blas.transpose_weights stores weights."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    quantized = {path: m for path, m in model.named_modules() if isinstance(m, kinds)}
+    affine = {p: (m.weight, m.scales, m.get("biases"), m.bits, m.group_size)
+              for p, m in quantized.items() if getattr(m, "mode", "affine") == "affine"}
+    fast = dequant.to_float32(affine, blas.weight_layout_wanted()) if dtype == mx.float32 else {}
     layers = []
-    for path, module in model.named_modules():
+    for path, module in quantized.items():
+        w = fast[path] if path in fast else mx.dequantize(module.weight, module.scales, module.get("biases"),
+                                                          module.group_size, module.bits)
         if isinstance(module, nn.QuantizedLinear):
-            w = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
-            lin.weight = w
+            layer = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
             if "bias" in module:
-                lin.bias = module.bias
-            layers.append((path, lin))
-        elif isinstance(module, nn.QuantizedEmbedding):
-            w = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-            emb = nn.Embedding(*w.shape)
-            emb.weight = w
-            layers.append((path, emb))
+                layer.bias = module.bias
+        else:
+            layer = nn.Embedding(*w.shape)
+        layer.weight = w
+        layers.append((path, layer))
     if layers:
         model.update_modules(_unflatten(layers))
 

@@ -1,24 +1,26 @@
-"""GGUF's quantized weights to float32 on the CPU (dequant.py): bit for bit what
-mx.dequantize(...).astype(float32) gives, in both layouts, on random and awkward values and on
-the default model's own tensors; values it cannot give exactly are left to MLX."""
+"""Quantized weights to float32 on the CPU (dequant.py): bit for bit what
+mx.dequantize(...).astype(float32) gives, in both layouts, for float16 and bfloat16 scales and
+groups of 32 and 64, on random and awkward values and on the default model's own tensors; values
+it cannot give exactly are left to MLX."""
 
 from cacheback_mlx import dequant
 from cacheback_mlx.gguf import quant_bits
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 
-def quantized(rows, cols, bits, seed, scale=1.0):
+def quantized(rows, cols, bits, seed, scale=1.0, dtype=mx.float16, group=32):
     rng = np.random.default_rng(seed)
-    w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32) * scale).astype(mx.float16)
-    q, s, b = mx.quantize(w, group_size=32, bits=bits)
-    return q, s.astype(mx.float16), b.astype(mx.float16)
+    w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32) * scale).astype(dtype)
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return q, s.astype(dtype), b.astype(dtype)
 
 
-def theirs(q, s, b, bits):
-    return np.asarray(mx.dequantize(q, s, b, group_size=32, bits=bits).astype(mx.float32))
+def theirs(q, s, b, bits, group=32):
+    return np.asarray(mx.dequantize(q, s, b, group_size=group, bits=bits).astype(mx.float32))
 
 
 def same(a, b) -> bool:
@@ -29,49 +31,55 @@ def same(a, b) -> bool:
 def awkward(q, s, b):
     """Scales down to float16's subnormals and zero, negative ones, biases that cancel a product
     (sums below 2**-14) and products that round half way."""
-    s, b = np.array(s), np.array(b)
-    s[0, :] = np.float16(6e-8) * np.arange(1, s.shape[1] + 1)  # subnormal scales
+    dtype = s.dtype
+    s, b = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
+    s[0, :] = 6e-8 * np.arange(1, s.shape[1] + 1)  # float16's subnormals
     s[1, 0], b[1, 0] = 0, 0
     s[2, :] = -s[2, :]
-    b[3, :] = -s[3, :] * np.float16(7)  # q * s + b crosses zero within the group
-    b[4, :] = np.float16(2.0 ** -15)  # a subnormal bias
-    return q, mx.array(s), mx.array(b)
+    b[3, :] = -s[3, :] * 7  # q * s + b crosses zero within the group
+    b[4, :] = 2.0 ** -15  # a subnormal bias
+    return q, mx.array(s).astype(dtype), mx.array(b).astype(dtype)
 
 
+@pytest.mark.parametrize("dtype,group", [(mx.float16, 32), (mx.bfloat16, 64), (mx.float16, 64)])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("in_out", [False, True])
-def test_float32_weights_are_mlx_s_bit_for_bit(bits, in_out):
-    tensors = {"a": quantized(64, 256, bits, 1), "b": awkward(*quantized(48, 96, bits, 2, scale=1e-3)),
-               "c": quantized(8, 32, bits, 3, scale=300.0)}
-    out = dequant.to_float32({k: (*v, bits) for k, v in tensors.items()}, in_out)
+def test_float32_weights_are_mlx_s_bit_for_bit(bits, in_out, dtype, group):
+    kw = dict(dtype=dtype, group=group)
+    tensors = {"a": quantized(64, 256, bits, 1, **kw), "b": awkward(*quantized(48, 192, bits, 2, scale=1e-3, **kw)),
+               "c": quantized(8, 64, bits, 3, scale=300.0, **kw)}
+    out = dequant.to_float32({k: (*v, bits, group) for k, v in tensors.items()}, in_out)
     assert set(out) == set(tensors)
     for name, (q, s, b) in tensors.items():
-        assert same(np.asarray(out[name]), theirs(q, s, b, bits)), name
+        assert same(np.asarray(out[name]), theirs(q, s, b, bits, group)), name
         if in_out:  # the transposed view of an [in, out] copy, as blas.transpose_weights stores it
             assert out[name].shape == (q.shape[0], q.shape[1] * 32 // bits)
             assert memoryview(out[name]).strides[0] < memoryview(out[name]).strides[1]
 
 
-def test_values_past_float16_s_range_and_other_layouts_are_left_to_mlx():
+def test_values_past_the_16_bit_range_and_other_layouts_are_left_to_mlx():
     q, s, b = quantized(8, 64, 4, 4)
     big = mx.array(np.full(s.shape, 6e3, np.float16))  # 15 * 6e3: float16 gives inf, float32 would not
-    tensors = {"big": (q, big, b, 4), "bfloat16": (q, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 4),
-               "nan": (q, mx.array(np.full(s.shape, np.nan, np.float16)), b, 4), "fine": (q, s, b, 4)}
+    nan = mx.array(np.full(s.shape, np.nan, np.float16))
+    tensors = {"big": (q, big, b, 4, 32), "float32": (q, s.astype(mx.float32), b.astype(mx.float32), 4, 32),
+               "nan": (q, nan, b, 4, 32), "no biases": (q, s, None, 4, 32), "fine": (q, s, b, 4, 32)}
     assert set(dequant.to_float32(tensors, False)) == {"fine"}
 
 
 def test_a_cpu_that_rounds_otherwise_gets_mlx_s_own_dequantize(monkeypatch):
     """The check on a slice finds a difference (here: one rounding, a fused multiply-add's) and
     hands every tensor back to MLX."""
-    tensors = {"a": (*quantized(64, 256, 4, 5), 4), "b": (*quantized(64, 256, 8, 6), 8)}
-    assert set(dequant.to_float32(tensors, False)) == {"a", "b"}
+    tensors = {"a": (*quantized(64, 256, 4, 5), 4, 32), "b": (*quantized(64, 256, 8, 6), 8, 32),
+               "c": (*quantized(64, 256, 4, 7, dtype=mx.bfloat16, group=64), 4, 64)}
+    assert set(dequant.to_float32(tensors, False)) == {"a", "b", "c"}
     with monkeypatch.context() as m:
-        m.setattr(dequant, "_round_to_half", lambda x, scratch: None)
+        m.setattr(dequant, "_round", lambda x, scratch, drop: None)
         assert dequant.to_float32(tensors, False) == {}
-    exact = dequant._float32  # one width off is enough, even when the first tensor has the other
-    monkeypatch.setattr(dequant, "_float32", lambda w, s, b, bits, in_out: exact(w, s, b, bits, in_out)
-                        + (bits == 8) * np.float32(1e-3))
-    assert dequant.to_float32(tensors, False) == {}
+    exact = dequant._float32  # one kind off is enough, even when the first tensor is of another
+    for off in (8, 16):  # 8 bits; bfloat16 (16 bits dropped)
+        monkeypatch.setattr(dequant, "_float32", lambda w, s, b, bits, group, drop, in_out:
+                            exact(w, s, b, bits, group, drop, in_out) + (off in (bits, drop)) * np.float32(1e-3))
+        assert dequant.to_float32(tensors, False) == {}
 
 
 @pytest.mark.slow
@@ -81,9 +89,41 @@ def test_the_default_model_s_tensors():
     weights = mx.load(str(default_model_path()))
     names = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
     tensors = {n: (weights[n + ".weight"], weights[n + ".scales"], weights[n + ".biases"]) for n in names}
-    tensors = {n: (*v, quant_bits(v[0], v[1])) for n, v in tensors.items()}
-    picked = sorted({bits: n for n, (*_, bits) in tensors.items()}.values())[:2] + names[:2]  # 4 and 8 bits
+    tensors = {n: (*v, quant_bits(v[0], v[1]), 32) for n, v in tensors.items()}
+    picked = sorted({bits: n for n, (_, _, _, bits, _) in tensors.items()}.values())[:2] + names[:2]  # 4 and 8 bits
     out = dequant.to_float32({n: tensors[n] for n in picked}, True)
     assert set(out) == set(picked) and {tensors[n][3] for n in picked} == {4, 8}
     for n in picked:
-        assert same(np.asarray(out[n]), theirs(*tensors[n])), n
+        assert same(np.asarray(out[n]), theirs(*tensors[n][:4])), n
+
+
+@pytest.mark.parametrize("spec", ["random:smollm2-135m:q4:bf16:layers=2", "random:smollm2-135m:q8:f16:layers=1"])
+def test_a_quantized_folder_loads_as_float32_with_mlx_s_values(spec, tmp_path, monkeypatch):
+    """An mlx-lm folder of 4- or 8-bit layers (bfloat16 or float16 scales, groups of 64) loads as
+    float32 through this path: every weight is mx.dequantize's, in the layout the loader stores
+    weights in."""
+    from cacheback_mlx import blas, loader, random_models
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_config
+
+    src = loader.load(spec)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(src.model.parameters())))
+    parsed = random_models.parse_spec(spec)
+    config = random_models.model_config(parsed)
+    save_config(dict(config, quantization={"group_size": 64, "bits": parsed.bits}), tmp_path / "config.json")
+    src.tokenizer._tokenizer.save_pretrained(str(tmp_path))
+    taken, to_float32 = [], dequant.to_float32
+    monkeypatch.setattr(dequant, "to_float32", lambda *a: taken.extend(to_float32(*a).items()) or dict(taken))
+    loaded = loader.load(str(tmp_path), dtype="float32")
+    layers = dict(tree_flatten(loaded.model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+    checked = 0
+    for path, m in tree_flatten(src.model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
+        if "scales" not in m:
+            continue
+        w = layers[path].weight
+        assert w.dtype == mx.float32 and same(np.asarray(w), theirs(m.weight, m.scales, m.biases, m.bits, 64)), path
+        if blas.weight_layout_wanted():
+            assert memoryview(w).strides[0] < memoryview(w).strides[1], path
+        checked += 1
+    assert checked >= 7 and len(taken) == checked
