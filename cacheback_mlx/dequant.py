@@ -1,6 +1,6 @@
 """Quantized weights (MLX's affine layout: 4 or 8 bits, float16 or bfloat16 scales and biases; a
 GGUF's blocks or an mlx-lm folder's layers) to float32 on the CPU: bit for bit what
-`mx.dequantize(...).astype(mx.float32)` gives, in a third of the time or less, and laid out
+`mx.dequantize(...).astype(mx.float32)` gives, in a third to a half of the time, laid out
 [in, out] when the caller stores weights so (blas.py).
 
 mx.dequantize computes `q * scale + bias` in the scales' 16-bit type on MLX's CPU, rounding after
