@@ -218,7 +218,8 @@ def _hub_snapshot(repo: str) -> Path:
 
 def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:
     """Write a loaded model as an mlx-lm folder (config.json, safetensors with their index,
-    tokenizer files), e.g. a GGUF model for `--distributed`, which loads through mlx-lm."""
+    tokenizer files), e.g. a GGUF model for `--distributed`, which loads through mlx-lm; quantized
+    layers keep their bits and group size in the config's `quantization`, as mlx-lm writes it."""
     from dataclasses import asdict
 
     from mlx_lm.utils import save_config, save_model
@@ -228,6 +229,11 @@ def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:
     config = {k: v for k, v in asdict(loaded.model.args).items() if v is not None}
     config.update(max_position_embeddings=loaded.context_length,
                   eos_token_id=sorted(loaded.tokenizer.eos_token_ids))
+    layers = {p: {"group_size": m.group_size, "bits": m.bits} for p, m in loaded.model.named_modules()
+              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    if layers:  # the most common setting, and the layers that differ from it
+        common = max(layers.values(), key=list(layers.values()).count)
+        config["quantization"] = {**common, **{p: q for p, q in layers.items() if q != common}}
     save_config(config, path / "config.json")
     loaded.tokenizer._tokenizer.save_pretrained(str(path))
     return path

@@ -102,17 +102,12 @@ def test_a_quantized_folder_loads_as_float32_with_mlx_s_values(spec, tmp_path, m
     """An mlx-lm folder of 4- or 8-bit layers (bfloat16 or float16 scales, groups of 64) loads as
     float32 through this path: every weight is mx.dequantize's, in the layout the loader stores
     weights in."""
-    from cacheback_mlx import blas, loader, random_models
+    from cacheback_mlx import blas, loader
 
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import save_config
 
     src = loader.load(spec)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(src.model.parameters())))
-    parsed = random_models.parse_spec(spec)
-    config = random_models.model_config(parsed)
-    save_config(dict(config, quantization={"group_size": 64, "bits": parsed.bits}), tmp_path / "config.json")
-    src.tokenizer._tokenizer.save_pretrained(str(tmp_path))
+    loader.save_folder(src, tmp_path)
     taken, to_float32 = [], dequant.to_float32
     monkeypatch.setattr(dequant, "to_float32", lambda *a: taken.extend(to_float32(*a).items()) or dict(taken))
     loaded = loader.load(str(tmp_path), dtype="float32")

@@ -198,14 +198,8 @@ def test_too_big_for_memory_is_refused(monkeypatch):
 
 
 def test_quantized_folder_that_would_not_fit_dequantized_stays_quantized(tmp_path, monkeypatch, capsys):
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import save_config
-
     src = loader.load("random:smollm2-135m:q4:layers=1")
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(src.model.parameters())))
-    config = random_models.model_config(random_models.parse_spec("random:smollm2-135m:layers=1"))
-    save_config(dict(config, quantization={"group_size": 64, "bits": 4}), tmp_path / "config.json")
-    src.tokenizer._tokenizer.save_pretrained(str(tmp_path))
+    loader.save_folder(src, tmp_path)
     assert loader.load(str(tmp_path), dtype="float32").dtype == "float32"  # fits: dequantized, as before
     monkeypatch.setattr(footprint, "available_memory", lambda: 100 * 10**6)
     kept = loader.load(str(tmp_path), dtype="float32")
