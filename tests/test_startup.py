@@ -263,3 +263,11 @@ def test_serve_on_a_fresh_cache_answers_at_once(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_load_bench_times_a_written_quantized_folder(capsys):
+    from tools import startup_bench
+
+    assert startup_bench.main(["--parts", "load", "--load", "folder:random:smollm2-135m:q4:layers=1"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| folder:")]
+    assert len(row) == 1 and all(float(t) > 0 for t in row[0].split("|")[2].split(" / ")), row

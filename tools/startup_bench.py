@@ -1,6 +1,7 @@
 """A fresh machine's first runs: no calibration pause, processes that share the cores.
 
-    .venv/bin/python -m tools.startup_bench [--parts ttft,processes,first] [--seeds 201,202,203]
+    .venv/bin/python -m tools.startup_bench [--parts ttft,processes,first,load] [--seeds 201,202,203]
+        [--load default,folder:random:llama-3.2-1b:q4:bf16:vocab=49152]
 
 Every part runs in new cache folders (XDG_CACHE_HOME), so nothing is known of pass costs:
 - ttft: the README's generate command, time from launch to its first output byte and to its end,
@@ -10,6 +11,8 @@ Every part runs in new cache folders (XDG_CACHE_HOME), so nothing is known of pa
 - first: the first requests of a fresh machine, `auto` on the prior it learns as it goes vs
   `auto` on a table measured beforehand vs `none`, interleaved per request, per seed (a seeded
   Spec-Bench sample, one prompt per category); greedy outputs must agree.
+- load: loader.load(MODEL, "float32") in a fresh process, three times per model (`default`: the
+  embedded model; `folder:SPEC`: a `random:` model written first as a quantized mlx-lm folder).
 """
 
 from __future__ import annotations
@@ -118,12 +121,31 @@ def part_first(seeds: list[int], requests: int, max_tokens: int) -> None:
         print(f"{k} / none over seeds {seeds}: mean {statistics.fmean(v):.2f}x (range {min(v):.2f}-{max(v):.2f})")
 
 
+LOAD = ("import sys, time; import cacheback_mlx; from cacheback_mlx.loader import load; t = time.perf_counter(); "
+        "load(None if sys.argv[1] == 'default' else sys.argv[1], 'float32'); print(time.perf_counter() - t)")
+
+
+def part_load(models: list[str]) -> None:
+    print("\n## loading a model as float32, in a fresh process\n\n| model | s, each |\n|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for model in models:
+            target = model
+            if model.startswith("folder:"):
+                from cacheback_mlx.loader import load, save_folder
+
+                target = str(save_folder(load(model[len("folder:"):]), Path(folder) / str(len(os.listdir(folder)))))
+            times = [float(subprocess.run([sys.executable, "-c", LOAD, target], capture_output=True, text=True,
+                                          check=True).stdout) for _ in range(3)]
+            print(f"| {model} | {' / '.join(f'{t:.2f}' for t in times)} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="ttft,processes,first")
     ap.add_argument("--seeds", default="201,202,203")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--load", default="default", help="models for the load part, comma-separated")
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
     if "ttft" in parts:
@@ -132,6 +154,8 @@ def main(argv=None) -> int:
         part_processes()
     if "first" in parts:
         part_first([int(s) for s in a.seeds.split(",")], a.requests, a.max_tokens)
+    if "load" in parts:
+        part_load(a.load.split(","))
     return 0
 
 
