@@ -262,12 +262,13 @@ def load_gguf_model(path: str | Path, dtype: str, in_out: bool = False) -> tuple
         target = mx.float16
     else:
         target = getattr(mx, dtype)
-        parts = {p: (named.pop(p + ".weight"), named.pop(p + ".scales"), named.pop(p + ".biases")) for p in quantized}
-        fast = dequant.to_float32({p: (w, s, b, quant_bits(w, s), 32) for p, (w, s, b) in parts.items()},
-                                  in_out) if target == mx.float32 else {}
-        for p, (w, s, b) in parts.items():
-            named[p + ".weight"] = fast[p] if p in fast else mx.dequantize(w, s, b, group_size=32,
-                                                                           bits=quant_bits(w, s))
+        parts = {}
+        for p in quantized:
+            w, s, b = named.pop(p + ".weight"), named.pop(p + ".scales"), named.pop(p + ".biases")
+            parts[p] = (w, s, b, quant_bits(w, s), 32)
+        fast = dequant.to_float32(parts, in_out) if target == mx.float32 else {}
+        for p, (w, s, b, bits, group) in parts.items():
+            named[p + ".weight"] = fast[p] if p in fast else mx.dequantize(w, s, b, group_size=group, bits=bits)
     named = {k: (v.astype(target) if v.dtype in (mx.float32, mx.float16, mx.bfloat16) and v.dtype != target else v)
              for k, v in named.items()}
     try:
