@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import sys
 from functools import lru_cache
 
@@ -211,13 +212,31 @@ def source_position_uses(source: str, handled: tuple[str, ...] = ()) -> tuple[st
     """The statements of a module's source that compute with positions, less those whose text
     holds one of the `handled` strings."""
     out = []
+    lines = source_lines(source)
     for node in _forward_statements(source):
         finder = _Finder()
         finder.visit(node)
-        text = " ".join(ast.get_source_segment(source, node).split())
+        text = " ".join(_segment(lines, node).split())
         if finder.found and not any(h in text for h in handled + NOT_POSITIONS):
             out.append(text)
     return tuple(out)
+
+
+def source_lines(source: str) -> list[str]:
+    """The source's lines with their ends, numbered as the parser numbers them (CRLF, CR or LF)."""
+    return re.split(r"(?<=\r\n)|(?<=\r)(?!\n)|(?<=\n)", source)
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) from source_lines(source) (its columns count UTF-8
+    bytes): get_source_segment splits the whole module again for every node, a quarter of a
+    second for a hybrid family's module."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    head = lines[first].encode()
+    if first == last:
+        return head[node.col_offset : node.end_col_offset].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head[node.col_offset :].decode(), *lines[first + 1 : last], tail])
 
 
 def model_modules(model: nn.Module) -> list[str]:

@@ -1,10 +1,12 @@
 """Positions in tree passes: the detector of position-dependent code, its classification of every
 mlx-lm family, and the Ministral 3 attention-scaling handler across a position threshold."""
 
+import ast
 import importlib
 import inspect
 import pkgutil
 
+from cacheback_mlx import positions
 from cacheback_mlx.drafters.base import NoDrafter
 from cacheback_mlx.engine import Engine
 from cacheback_mlx.positions import HANDLERS, module_position_uses, source_position_uses
@@ -43,6 +45,23 @@ def test_every_family_is_classified():
         if uses and info.name not in CHAIN_ONLY:
             unclassified[info.name] = uses
     assert not unclassified, f"position-dependent code nobody has classified: {unclassified}"
+
+
+def test_statements_are_read_as_the_parser_places_them():
+    """The detector reads each statement's text from the module's lines split once: the same text
+    as ast.get_source_segment, on real modules and on non-ASCII text, CRLF and CR line ends and
+    statements over several lines."""
+    odd = ("x = 1\r\ny = 'é' + 'ü' ; z = (y +\r\n     'ß')\rw = [1,\n  2]\n"
+           "def f(self, cache):\n    s = 'π' * cache.offset\n    return s\n")
+    sources = [odd] + [inspect.getsource(importlib.import_module(f"mlx_lm.models.{m}"))
+                       for m in ("llama", "ministral3", "gemma3n", "qwen3_next")]
+    for source in sources:
+        lines = positions.source_lines(source)
+        statements = positions._forward_statements(source)
+        assert len(statements) > 3
+        for node in statements:
+            assert positions._segment(lines, node) == ast.get_source_segment(source, node)
+    assert source_position_uses(odd) == ("s = 'π' * cache.offset",)
 
 
 def test_the_detector_sees_position_code():
