@@ -390,12 +390,18 @@ def test_cli_card_generate_stats_and_errors(ggufs):
                              "card", "--drafter-arg", "draft=self:2"], capture_output=True, text=True, timeout=300)
     assert doctor.returncode == 0 and "drafter card: 16 tokens" in doctor.stdout, doctor.stderr
     assert "draft passes/target pass" in doctor.stdout and "cache hit rate" in doctor.stdout
+    # the errors in this process (a process of their own would only add its start-up)
+    from cacheback_mlx.cli import main
+
+    from click.testing import CliRunner
+
     for args, needle in [(("--drafter-arg", "draft=self:9"), "choose N from 1 to 3"),
                          (("--drafter-arg", f"draft={ggufs['fim']}"), "another tokenizer"),
                          ((), "needs a draft model")]:
-        r = cli(*args)
+        r = CliRunner().invoke(main, ["generate", "hello", "--model", str(ggufs["target"]), "--raw", "-n", "12",
+                                      "--fixed-budget", "--drafter", "card", *args])
         err = r.stderr.strip()
-        assert r.returncode == 1 and err.startswith("error: ") and "\n" not in err and needle in err, err
+        assert r.exit_code == 1 and err.startswith("error: ") and "\n" not in err and needle in err, err
 
 
 # --- the real default model ------------------------------------------------------------------

@@ -209,29 +209,29 @@ def test_requests_in_one_batch_are_lossless_on_the_default_model(default_model, 
 
 def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, plain_outputs):
     """Metal's default, forced on: plain steps start the next before their token is read, with
-    `none` and with `auto` going quiet and drafting again."""
-    for name in ("none", "auto"):
+    `none` (the chat prompt) and with `auto` going quiet and drafting again (the raw one; every
+    family's tiny model runs every way in and out of it, tests/test_families.py)."""
+    for name, mode in (("none", "chat"), ("auto", "raw")):
         drafter = make_drafter(name, **({"persist": False} if name == "auto" else {}))
         eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16,
                      run_ahead=True)
-        for mode, (ids, truth) in plain_outputs.items():
-            assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
-            assert eng.stats.ahead > 0 or name == "auto", mode  # auto may draft at every pass here
+        ids, truth = plain_outputs[mode]
+        assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
+        assert eng.stats.ahead > 0 or name == "auto", mode  # auto may draft at every pass here
 
 
 def test_the_prompt_as_mlx_lm_lays_it_out_is_lossless_on_the_default_model(default_model, plain_outputs):
     """A GPU's half-precision default, forced on: generate_step's prefill chunks and the last
-    prompt token alone in the first pass, with `none` and `auto`."""
-    for name in ("none", "auto"):
+    prompt token alone in the first pass, with `none` (the raw prompt) and `auto` (the chat one)."""
+    for name, mode in (("none", "raw"), ("auto", "chat")):
         drafter = make_drafter(name, **({"persist": False} if name == "auto" else {}))
         eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16)
         eng.set_prompt_layout(True)
-        for mode, (ids, truth) in plain_outputs.items():
-            chunks = []
-            stop = eng.watch(lambda e: chunks.append(e.rows) if e.kind == "prefill" else None)
-            assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
-            stop()
-            assert chunks == [len(ids) - 1], (name, mode, chunks)  # one chunk, all but the last token
+        ids, truth = plain_outputs[mode]
+        chunks = []
+        eng.watch(lambda e: chunks.append(e.rows) if e.kind == "prefill" else None)
+        assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], (name, mode)
+        assert chunks == [len(ids) - 1], (name, mode, chunks)  # one chunk, all but the last token
 
 
 def test_a_prompt_kept_out_of_the_first_pass_is_lossless_on_the_default_model(default_model, plain_outputs):
