@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 BLAS_PY = Path(__file__).resolve().parents[1] / "cacheback_mlx" / "blas.py"
 
 

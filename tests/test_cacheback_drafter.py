@@ -13,6 +13,8 @@ from cacheback_mlx.table_builder import build_frozen_table, build_table_from_fil
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 def rich_history(n=400, seed=0):
     rng = np.random.default_rng(seed)

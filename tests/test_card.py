@@ -24,6 +24,8 @@ from mlx_lm.generate import generate_step
 import zoo
 from conftest import tiny_llama, write_tiny_gguf
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 N = 48
 

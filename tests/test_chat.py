@@ -9,6 +9,8 @@ from cacheback_mlx.errors import CachebackError
 
 import pytest
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 class FakeSession:
     drafter_name = "ngram"

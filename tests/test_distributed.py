@@ -26,6 +26,8 @@ from mlx_lm.generate import generate_step
 
 import zoo
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 HERE = Path(__file__).parent
 PY = sys.executable
 CLI = [PY, "-m", "cacheback_mlx.cli"]

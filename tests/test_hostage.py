@@ -19,6 +19,8 @@ import pytest
 from conftest import write_tiny_gguf
 from test_server import free_port, start, wait_for_health
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 LONG = [5, 6, 7, 8] * 1500  # 6,000 prompt tokens
 CHUNK = 64
 CHUNK_S = 0.05

@@ -11,6 +11,8 @@ from cacheback_mlx import malloc
 import mlx.core as mx
 import pytest
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 def cache_limit() -> int:
     limit = mx.set_cache_limit(0)

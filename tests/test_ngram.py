@@ -6,6 +6,8 @@ from cacheback_mlx.replay import SHARED_STREAMS, load_streams, replay_all
 
 import pytest
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 def reference_fnv1a(tokens):
     """FNV-1a 64 written out: XOR the whole token in, multiply by the prime, keep 64 bits."""

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 def brute_longest(tokens, context, max_n):
     best = 0

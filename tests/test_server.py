@@ -17,6 +17,8 @@ import pytest
 
 from conftest import write_tiny_gguf
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -13,6 +13,8 @@ import pytest
 from conftest import write_tiny_gguf
 from test_server import start
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 PROMPTS = ["def add(a, b):", "x = [1, 2, 3]\nfor", "class Stack:\n    def", "import os\nprint(",
            "while True:", "# sum of squares\n"]
 

@@ -5,6 +5,8 @@ import pytest
 
 from conftest import write_tiny_gguf
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 schemathesis = pytest.importorskip("schemathesis")
 from cacheback_mlx.api import Session  # noqa: E402
 from cacheback_mlx.server import create_app  # noqa: E402

@@ -21,6 +21,8 @@ import pytest
 from conftest import write_tiny_gguf
 from test_server import start
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 CLIENTS = 8
 
 REQUESTS = [

@@ -8,6 +8,9 @@ from cacheback_mlx.drafters.ssd_store import HEADER, SsdStore
 from cacheback_mlx.drafters.suffix import SEP
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
 
 WRITER = textwrap.dedent("""
     import sys

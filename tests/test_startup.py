@@ -19,6 +19,8 @@ import pytest
 
 from conftest import write_tiny_gguf
 
+pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+
 EXE = str(Path(sys.executable).with_name("cacheback-mlx"))
 README_PROMPT = "Write a Python class for a stack with push, pop and peek methods."
 
