@@ -179,7 +179,8 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     layers = []
     for path, module in quantized.items():
         w = fast[path] if path in fast else mx.dequantize(module.weight, module.scales, module.get("biases"),
-                                                          module.group_size, module.bits)
+                                                          module.group_size, module.bits,
+                                                          mode=getattr(module, "mode", "affine"))
         if isinstance(module, nn.QuantizedLinear):
             layer = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
             if "bias" in module:

@@ -122,3 +122,18 @@ def test_a_quantized_folder_loads_as_float32_with_mlx_s_values(spec, tmp_path, m
             assert memoryview(w).strides[0] < memoryview(w).strides[1], path
         checked += 1
     assert checked >= 7 and len(taken) == checked
+
+
+def test_layers_of_another_quantization_mode_are_dequantized_in_theirs():
+    """An mxfp4 layer (no biases, as mlx-community's gpt-oss folders hold) is left to MLX, which
+    dequantizes it in its own mode, beside affine layers that take this path."""
+    from cacheback_mlx import loader
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 32))
+    model.layers[0] = nn.QuantizedLinear.from_linear(model.layers[0], group_size=32, bits=4, mode="mxfp4")
+    model.layers[1] = nn.QuantizedLinear.from_linear(model.layers[1], group_size=32, bits=4)
+    want = [np.asarray(mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+                       .astype(mx.float32)) for m in model.layers]
+    loader._dequantize(model, mx.float32)
+    for layer, w in zip(model.layers, want):
+        assert type(layer) is nn.Linear and same(np.asarray(layer.weight.astype(mx.float32)), w)
