@@ -63,7 +63,8 @@ def head_dim(model) -> int | None:
     return int(dim) if dim else None
 
 
-def _is_quantized(module) -> bool:
+def is_quantized(module) -> bool:
+    """A quantized layer of any kind (linear, embedding, expert bank): packed weights and scales."""
     return "scales" in module and hasattr(module, "bits")
 
 
@@ -82,7 +83,7 @@ def param_count(model) -> int:
     n = 0
     for _, m in _leaves(model):
         for name, a in tree_flatten(m.parameters()):
-            if name == "weight" and _is_quantized(m):
+            if name == "weight" and is_quantized(m):
                 n += a.size * 32 // m.bits
             elif name not in ("scales", "biases"):
                 n += a.size
@@ -111,9 +112,9 @@ def dequantized_bytes(model, dtype: mx.Dtype) -> int:
     total = 0
     for _, m in _leaves(model):
         for name, a in tree_flatten(m.parameters()):
-            if name == "weight" and _is_quantized(m):
+            if name == "weight" and is_quantized(m):
                 total += a.size * 32 // m.bits * size
-            elif name not in ("scales", "biases") or not _is_quantized(m):
+            elif name not in ("scales", "biases") or not is_quantized(m):
                 total += a.size * (size if mx.issubdtype(a.dtype, mx.floating) else a.dtype.size)
     return total
 
@@ -162,5 +163,5 @@ def model_shape(model) -> dict:
         "experts": (int(cfg.get("num_experts_per_tok") or 0), int(experts)) if experts else None,
         "vocab": cfg.get("vocab_size"),
         "params": param_count(model),
-        "quantized": sorted({(m.bits, m.group_size) for _, m in _leaves(model) if _is_quantized(m)}),
+        "quantized": sorted({(m.bits, m.group_size) for _, m in _leaves(model) if is_quantized(m)}),
     }

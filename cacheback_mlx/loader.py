@@ -165,28 +165,33 @@ def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
 
 
 def _is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    return any(footprint.is_quantized(m) for _, m in model.named_modules())
 
 
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Replace quantized layers with float ones (the CPU runs float32 matmuls much faster); to
-    float32 on the CPU through dequant.py, laid out as blas.transpose_weights stores weights."""
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    """Replace quantized layers (linear, embedding, expert banks) with float ones (the CPU runs
+    float32 matmuls much faster); affine 2-D weights to float32 on the CPU through dequant.py,
+    laid out as blas.transpose_weights stores weights, every other one by MLX in its own mode."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
     quantized = {path: m for path, m in model.named_modules() if isinstance(m, kinds)}
-    affine = {p: (m.weight, m.scales, m.get("biases"), m.bits, m.group_size)
-              for p, m in quantized.items() if getattr(m, "mode", "affine") == "affine"}
+    affine = {p: (m.weight, m.scales, m.get("biases"), m.bits, m.group_size) for p, m in quantized.items()
+              if getattr(m, "mode", "affine") == "affine" and m.weight.ndim == 2}
     fast = dequant.to_float32(affine, blas.weight_layout_wanted()) if dtype == mx.float32 else {}
     layers = []
     for path, module in quantized.items():
-        w = fast[path] if path in fast else mx.dequantize(module.weight, module.scales, module.get("biases"),
-                                                          module.group_size, module.bits,
-                                                          mode=getattr(module, "mode", "affine"))
-        if isinstance(module, nn.QuantizedLinear):
-            layer = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
-            if "bias" in module:
-                layer.bias = module.bias
-        else:
+        w = fast[path] if path in fast else mx.dequantize(
+            module.weight, module.scales, module.get("biases"), module.group_size, module.bits,
+            mode=getattr(module, "mode", "affine"), global_scale=module.get("global_scale"))
+        if isinstance(module, nn.QuantizedEmbedding):
             layer = nn.Embedding(*w.shape)
+        elif isinstance(module, QuantizedSwitchLinear):  # an expert bank: [experts, out, in]
+            layer = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in module)
+        else:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+        if "bias" in module:
+            layer.bias = module.bias
         layer.weight = w
         layers.append((path, layer))
     if layers:
@@ -217,10 +222,17 @@ def _hub_snapshot(repo: str) -> Path:
                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
+def _quantization(module) -> dict:
+    """A quantized layer's setting as mlx-lm's config holds it (the mode only where not affine)."""
+    mode = getattr(module, "mode", "affine")
+    return {"group_size": module.group_size, "bits": module.bits, **({"mode": mode} if mode != "affine" else {})}
+
+
 def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:
     """Write a loaded model as an mlx-lm folder (config.json, safetensors with their index,
     tokenizer files), e.g. a GGUF model for `--distributed`, which loads through mlx-lm; quantized
-    layers keep their bits and group size in the config's `quantization`, as mlx-lm writes it."""
+    layers (experts' too) keep their bits, group size and mode in the config's `quantization`, as
+    mlx-lm writes it."""
     from dataclasses import asdict
 
     from mlx_lm.utils import save_config, save_model
@@ -230,8 +242,7 @@ def save_folder(loaded: LoadedModel, path: str | os.PathLike) -> Path:
     config = {k: v for k, v in asdict(loaded.model.args).items() if v is not None}
     config.update(max_position_embeddings=loaded.context_length,
                   eos_token_id=sorted(loaded.tokenizer.eos_token_ids))
-    layers = {p: {"group_size": m.group_size, "bits": m.bits} for p, m in loaded.model.named_modules()
-              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    layers = {p: _quantization(m) for p, m in loaded.model.named_modules() if footprint.is_quantized(m)}
     if layers:  # the most common setting, and the layers that differ from it
         common = max(layers.values(), key=list(layers.values()).count)
         config["quantization"] = {**common, **{p: q for p, q in layers.items() if q != common}}

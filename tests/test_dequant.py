@@ -137,3 +137,44 @@ def test_layers_of_another_quantization_mode_are_dequantized_in_theirs():
     loader._dequantize(model, mx.float32)
     for layer, w in zip(model.layers, want):
         assert type(layer) is nn.Linear and same(np.asarray(layer.weight.astype(mx.float32)), w)
+
+
+def test_expert_banks_are_dequantized_in_their_mode_and_keep_their_bias():
+    """mlx-lm's quantized expert banks (QuantizedSwitchLinear: weight [experts, out, in]) become
+    float SwitchLinear banks with MLX's values, affine and mxfp4 alike, and keep a bias."""
+    from cacheback_mlx import loader
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    model = nn.Sequential(SwitchLinear(64, 32, 4, bias=True), SwitchLinear(64, 32, 4, bias=False))
+    model.layers[0].bias = mx.arange(4 * 32, dtype=mx.float32).reshape(4, 32)
+    model.layers[0] = model.layers[0].to_quantized(group_size=32, bits=4, mode="mxfp4")
+    model.layers[1] = model.layers[1].to_quantized(group_size=64, bits=8)
+    want = [np.asarray(mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+                       .astype(mx.float32)) for m in model.layers]
+    loader._dequantize(model, mx.float32)
+    for layer, w in zip(model.layers, want):
+        assert type(layer) is SwitchLinear and layer.weight.shape == (4, 32, 64)
+        assert same(np.asarray(layer.weight.astype(mx.float32)), w)
+    assert np.array_equal(np.asarray(model.layers[0].bias), np.arange(4 * 32).reshape(4, 32))
+    assert "bias" not in model.layers[1]
+
+
+def test_a_saved_folder_keeps_each_layer_s_quantization_mode(tmp_path):
+    """save_folder writes every quantized layer's bits, group size and mode (mxfp4 beside affine,
+    as gpt-oss folders mix them) so that mlx-lm loads each layer back as it was."""
+    from cacheback_mlx import loader
+
+    src = loader.load("random:smollm2-135m:f32:layers=1")
+    nn.quantize(src.model, class_predicate=lambda p, m: isinstance(m, nn.Linear) and (
+        {"group_size": 32, "bits": 4, "mode": "mxfp4"} if ".mlp." in p else {"group_size": 64, "bits": 8}))
+    want = {p: (m.mode, m.bits, m.group_size, np.asarray(m.weight), np.asarray(m.scales))
+            for p, m in src.model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert {w[0] for w in want.values()} == {"affine", "mxfp4"}
+    loader.save_folder(src, tmp_path)
+    back = loader.load(str(tmp_path), dtype="native").model
+    got = {p: m for p, m in back.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert set(got) == set(want)
+    for p, (mode, bits, group, w, s) in want.items():
+        m = got[p]
+        assert (m.mode, m.bits, m.group_size) == (mode, bits, group), p
+        assert np.array_equal(np.asarray(m.weight), w) and np.array_equal(np.asarray(m.scales), s), p
