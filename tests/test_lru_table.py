@@ -20,6 +20,7 @@ def test_followers_come_most_recent_first_and_lookup_does_not_touch_them():
     t.put((1,), (4, 5))  # re-insertion refreshes a follower
     t.put((1,), (10, 11))  # so (6, 7) is now the LRU one
     assert t.get((1,)) == [(10, 11), (4, 5), (8, 9)]
+    assert t.get((1,), 2) == [(10, 11), (4, 5)] and t.get((1,), 5) == t.get((1,)) and t.get((2,), 2) == []
 
 
 def test_leader_eviction_order_and_refresh_by_get_and_put():

@@ -110,7 +110,7 @@ class CachebackDrafter(Drafter):
         leader up refreshes it in the dynamic table (LruTable.get)."""
         out: list[tuple[str, list]] = []
         if self.use_dynamic:
-            out.append(("dynamic", self.dynamic.get(leader)[:limit]))
+            out.append(("dynamic", self.dynamic.get(leader, limit)))
         if self.frozen is not None:
             out.append(("frozen", self.frozen.get(leader)[:limit]))
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import zipfile
 from collections import OrderedDict
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -50,13 +51,14 @@ class LruTable:
             if len(followers) > self.fc:
                 followers.popitem(last=False)
 
-    def get(self, leader: Tokens) -> list[Tokens]:
-        """Followers of `leader`, most recently inserted first (refreshes the leader)."""
+    def get(self, leader: Tokens, limit: int | None = None) -> list[Tokens]:
+        """Followers of `leader`, most recently inserted first, at most `limit` of them
+        (refreshes the leader)."""
         followers = self._leaders.get(leader)
         if followers is None:
             return []
         self._leaders.move_to_end(leader)
-        return list(reversed(followers))
+        return list(reversed(followers) if limit is None else islice(reversed(followers), limit))
 
     def leaders(self) -> list[Tokens]:
         """Leaders from least to most recently used (for tests and inspection)."""
