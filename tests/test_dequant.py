@@ -143,6 +143,7 @@ def test_expert_banks_are_dequantized_in_their_mode_and_keep_their_bias():
     """mlx-lm's quantized expert banks (QuantizedSwitchLinear: weight [experts, out, in]) become
     float SwitchLinear banks with MLX's values, affine and mxfp4 alike, and keep a bias."""
     from cacheback_mlx import loader
+
     from mlx_lm.models.switch_layers import SwitchLinear
 
     model = nn.Sequential(SwitchLinear(64, 32, 4, bias=True), SwitchLinear(64, 32, 4, bias=False))

@@ -1,11 +1,10 @@
 """tools.margins: a pass's rounding against steps is taken row for row (the same positions'
 logits), and the margins are one top-two gap per output position."""
 
-import numpy as np
-import pytest
-
 from cacheback_mlx import loader
 
+import numpy as np
+import pytest
 from tools import margins
 
 

@@ -21,15 +21,14 @@ from __future__ import annotations
 import argparse
 
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
-
-import mlx.core as mx
-import numpy as np
-
 from cacheback_mlx import loader
 from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.replay import load_streams
 from cacheback_mlx.tree import DraftTree
 from cacheback_mlx.verify import prefill, step_pass, verify_pass
+
+import mlx.core as mx
+import numpy as np
 
 
 def as_f32(a: mx.array) -> np.ndarray:
