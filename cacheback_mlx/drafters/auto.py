@@ -178,20 +178,21 @@ class _Trie:
         given = _FROM.get(sources)
         if given is None:
             given = _FROM[sources] = ("from",) + tuple(sorted(sources))
-        feats: list = [_DEPTH[min(self.depth[i], 6)], ("token", token), ("pair", hash((before, token)) & PAIR_MASK),
+        d = self.depth[i]
+        feats: list = [_DEPTH[d if d < 6 else 6], ("token", token), ("pair", hash((before, token)) & PAIR_MASK),
                        given]
         for source, (strength, j) in ev.items():
-            feats.append(_AT[source][min(j, 3)])
+            feats.append(_AT[source][j if j < 3 else 3])
             if source in RETRIEVED:
-                feats.append((source, _bucket(strength)))
+                feats.append(_BUCKET[source][strength if strength < _BUCKETS else _BUCKETS])
                 counts = self.count[source]
                 whole = counts.get(p, 0)
                 if whole:
                     feats.append((source + "%", _frac(counts.get(i, 0), whole)))
             else:
-                feats.append(_RANK[source][min(strength, 3)])
+                feats.append(_RANK[source][strength if strength < 3 else 3])
         if len(sources) > 1:
-            feats.append(_AGREE[min(len(sources), 3)])
+            feats.append(_AGREE[len(sources) if len(sources) < 3 else 3])
         return feats
 
     def score(self, i: int, w: dict, bias: float) -> float:
@@ -205,22 +206,23 @@ class _Trie:
         given = _FROM.get(sources)
         if given is None:
             given = _FROM[sources] = ("from",) + tuple(sorted(sources))
-        s = get(_DEPTH[min(self.depth[i], 6)], 0.0)
+        d = self.depth[i]
+        s = get(_DEPTH[d if d < 6 else 6], 0.0)
         s += get(("token", token), 0.0)
         s += get(("pair", hash((self.tokens[p] if p >= 0 else self.root, token)) & PAIR_MASK), 0.0)
         s += get(given, 0.0)
         for source, (strength, j) in ev.items():
-            s += get(_AT[source][min(j, 3)], 0.0)
+            s += get(_AT[source][j if j < 3 else 3], 0.0)
             if source in RETRIEVED:
-                s += get(_BUCKET[source][_bucket(strength)], 0.0)
+                s += get(_BUCKET[source][strength if strength < _BUCKETS else _BUCKETS], 0.0)
                 counts = self.count[source]
                 whole = counts.get(p, 0)
                 if whole:
                     s += get(_FRAC[source][_frac(counts.get(i, 0), whole)], 0.0)
             else:
-                s += get(_RANK[source][min(strength, 3)], 0.0)
+                s += get(_RANK[source][strength if strength < 3 else 3], 0.0)
         if len(sources) > 1:
-            s += get(_AGREE[min(len(sources), 3)], 0.0)
+            s += get(_AGREE[len(sources) if len(sources) < 3 else 3], 0.0)
         z = bias + s
         return 1.0 / (1.0 + math.exp(-z)) if z > -30 else 0.0
 
@@ -229,7 +231,8 @@ _DEPTH = [("depth", d) for d in range(7)]
 _AT = {s: [(s + "@", j) for j in range(4)] for s in RETRIEVED + tuple(TABLE_SOURCES.values())}
 _RANK = {s: [(s, k) for k in range(4)] for s in TABLE_SOURCES.values()}
 _AGREE = [("agree", k) for k in range(4)]
-_BUCKET = {s: {b: (s, b) for b in (0, 1, 2, 3, 4, 6, 10)} for s in RETRIEVED}
+_BUCKETS = 16  # a retrieved node's feature by its match length: _BUCKET[source][min(length, _BUCKETS)]
+_BUCKET = {s: [(s, _bucket(n)) for n in range(_BUCKETS + 1)] for s in RETRIEVED}
 _FRAC = {s: [(s + "%", f) for f in range(4)] for s in RETRIEVED}
 _FROM: dict[tuple, tuple] = {}  # the sources of a node, in the order they came -> ("from", sorted...)
 
