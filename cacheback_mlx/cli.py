@@ -417,11 +417,15 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
 @click.option("--drafter", default=None, help="Also try this drafter on the model (16 tokens) and show its stats.")
 @click.option("--drafter-arg", "drafter_args", multiple=True, metavar="KEY=VALUE",
               help="A drafter parameter (repeatable).")
+@click.option("--rounding", is_flag=True,
+              help="Also measure how far a verify pass's logits lie from one-token steps' on this machine, in the "
+                   "model's dtype (of --model, else the default model; a few passes: slow for big models on a CPU).")
 @user_errors
-def doctor(model_spec, drafter, drafter_args):
+def doctor(model_spec, drafter, drafter_args, rounding):
     """Show the backend, BLAS status and default settings; with --model, the model's family, its
     layer caches by kind and its verify path (draft trees, or chains and why); with --drafter, a
-    short generation with that drafter and the drafter's own stats."""
+    short generation with that drafter and the drafter's own stats; with --rounding, how far a
+    pass rounds from one-token steps here (rounding.py)."""
     import mlx.core as mx
 
     from .costs import cost_path
@@ -460,6 +464,8 @@ def doctor(model_spec, drafter, drafter_args):
     click.echo(cores.share.describe())
     click.echo(f"draft budget: chosen per pass from the pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
+    if rounding and model_spec is None:
+        model_spec = "default"
     if model_spec is not None:
         from .drafters.base import NoDrafter
         from .engine import Engine
@@ -508,6 +514,10 @@ def doctor(model_spec, drafter, drafter_args):
             f"a line learned from {known.seen} timed passes" if isinstance(known, PriorCost) else
             "nothing known yet: a line from the model's shape, fitted to the first passes")
             + " (`serve` measures a table in its idle time; `bench --verify-cost` now)")
+        if rounding:
+            from .rounding import describe, measure
+
+            click.echo(f"rounding ({loaded.dtype}): {describe(measure(loaded.model, loaded.tokenizer))}")
     if drafter is not None:
         from .api import Session
 

@@ -215,7 +215,8 @@ def exactness() -> str:
                 "other dtypes not checked on the CPU")
     if not on_cuda():
         return ("exact greedy output: not checked on this GPU (Metal); passes of several rows may round "
-                "differently from one-row steps, most in float16/bfloat16")
+                "differently from one-row steps, most in float16/bfloat16 (`doctor --model M --rounding` "
+                "measures it)")
     f32 = ("float32 (TF32 off)" if os.environ.get("MLX_ENABLE_TF32") == "0"
            else "not float32 while TF32 is on (MLX_ENABLE_TF32=1)")
     if enabled and attention_enabled and usable(mx.float16) and usable(mx.bfloat16):

@@ -7,9 +7,9 @@ additions, so they differ by rounding; a greedy pick can differ only where the m
 logits are closer than that. This measures both on the machine it runs on, for a model and dtype:
 
 - rounding: from a few recorded streams, the prompt prefilled, then the stream's next r tokens in
-  one chain pass (the engine's verify_pass) and again one token at a time (its step_pass), each
-  from the same cache: the largest difference of any logit, by r, and whether any row's argmax
-  differs;
+  one chain pass and again one token at a time, each from the same cache (rounding.py, as
+  `doctor --rounding` measures it): the largest difference of any logit, by r, and whether any
+  row's argmax differs;
 - margins: every position of the recorded greedy streams (../shared/data/smollm2_greedy, the
   default model's; for another model its own top two at the same text), the gap between the top
   two logits of one forward pass over prompt and output, and how many positions have a gap below
@@ -22,10 +22,8 @@ import argparse
 
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
 from cacheback_mlx import loader
-from cacheback_mlx.kvcache import ModelCache
 from cacheback_mlx.replay import load_streams
-from cacheback_mlx.tree import DraftTree
-from cacheback_mlx.verify import prefill, step_pass, verify_pass
+from cacheback_mlx.rounding import pass_against_steps
 
 import mlx.core as mx
 import numpy as np
@@ -38,25 +36,7 @@ def as_f32(a: mx.array) -> np.ndarray:
 def rounding(model, stream: dict, rows: int, at: int) -> tuple[float, bool]:
     """Max |logit difference| between a chain pass of `rows` stream tokens and as many steps,
     after the prompt and `at` output tokens; and whether some row's argmax differs."""
-    ids = stream["prompt"] + stream["out"]
-    start = len(stream["prompt"]) + at
-    tokens = ids[start - 1 : start - 1 + rows]
-    caches = []
-    for _ in range(2):
-        cache = ModelCache(model)
-        prefill(model, cache, ids[: start - 1], 512)
-        caches.append(cache)
-    chain = DraftTree(np.array(tokens[1:], np.int32), np.arange(-1, rows - 2, dtype=np.int32))
-    passed = verify_pass(model, caches[0], tokens[:1], chain, rows=rows)
-    mx.eval(passed)
-    stepped = []
-    for t in tokens:
-        logits = step_pass(model, caches[1], mx.array([t]))
-        mx.eval(logits)
-        caches[1].finish_pass([0], True)
-        stepped.append(logits)
-    a, b = as_f32(passed), as_f32(mx.concatenate(stepped))
-    return float(np.abs(a - b).max()), bool((a.argmax(-1) != b.argmax(-1)).any())
+    return pass_against_steps(model, stream["prompt"] + stream["out"], len(stream["prompt"]) + at, rows)
 
 
 def margins(model, streams: list[dict]) -> np.ndarray:
