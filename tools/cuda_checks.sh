@@ -18,8 +18,9 @@
 #      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
 #      default model's acceptance (--forced along tools/data/streams_seed101, 64 tokens a turn: a
 #      projection); the pass cost of the same shape in bfloat16;
-#   6. `doctor --model default` (and the 4-bit model): the backend, the kernels, the prompt layout,
-#      which dtypes are exact;
+#   6. `doctor --model default --rounding` (and the 4-bit model; and with the kernels off): the
+#      backend, the kernels, the prompt layout, which dtypes are exact, and how far a chain pass's
+#      logits lie from one-token steps' in float16;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
 #   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time);
@@ -121,8 +122,11 @@ run_verify_cost_8b_bf16() {
     step verify_cost_8b_bf16 "$PY" -m cacheback_mlx.cli bench --verify-cost \
         --model random:llama-3.1-8b:bf16:vocab=49280 --dtype bfloat16 --contexts 512,2048
 }
-run_doctor() { step doctor "$PY" -m cacheback_mlx.cli doctor --model default; }
-run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"; }
+run_doctor() { step doctor "$PY" -m cacheback_mlx.cli doctor --model default --rounding; }
+run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4" --rounding; }
+run_doctor_kernels_off() {
+    step doctor_kernels_off env CACHEBACK_MLX_KERNELS=0 "$PY" -m cacheback_mlx.cli doctor --model default --rounding
+}
 run_bench_float16_kernels_off() {
     CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" \
         --json "$OUT/bench_float16_kernels_off.json"
@@ -138,7 +142,7 @@ run_startup_profile() {
 }
 
 ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
-     verify_cost_8b_bf16 doctor doctor_q4 bench_float16_kernels_off step_time startup_profile"
+     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off step_time startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
         echo "unknown step: $name (known: $(echo $ALL))" >&2
