@@ -5,8 +5,8 @@ kernel for several rows (another order of additions), so the pass's logits can d
 steps' by rounding. A greedy pick can then differ from plain decoding only where the model's top
 two logits are closer than that difference. `cacheback-mlx doctor --model M --rounding` measures
 it where it runs (docs/BENCHMARKS.md §17: on our CPU, float32 passes differ by up to ~8e-5 at the
-default model, bfloat16 passes not at all); `tools/margins.py` also measures how close the top two
-logits come over recorded text.
+default model, bfloat16 ones not at all in the samples taken); `tools/margins.py` measures how close
+the top two logits come over recorded text.
 """
 
 from __future__ import annotations
