@@ -24,7 +24,7 @@ TEXT = ("The kettle clicked off while the report was still loading. She poured t
 ROWS = (2, 4, 8, 16)
 
 
-def _as_f32(a: mx.array) -> np.ndarray:
+def as_f32(a: mx.array) -> np.ndarray:
     return np.asarray(a.astype(mx.float32))
 
 
@@ -49,7 +49,7 @@ def pass_against_steps(model, ids: list[int], start: int, rows: int) -> tuple[fl
         mx.eval(logits)
         caches[1].finish_pass([0], True)
         stepped.append(logits)
-    a, b = _as_f32(passed), _as_f32(mx.concatenate(stepped))
+    a, b = as_f32(passed), as_f32(mx.concatenate(stepped))
     return float(np.abs(a - b).max()), bool((a.argmax(-1) != b.argmax(-1)).any())
 
 

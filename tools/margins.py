@@ -23,14 +23,10 @@ import argparse
 import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core (blas.py)
 from cacheback_mlx import loader
 from cacheback_mlx.replay import load_streams
-from cacheback_mlx.rounding import pass_against_steps
+from cacheback_mlx.rounding import as_f32, pass_against_steps
 
 import mlx.core as mx
 import numpy as np
-
-
-def as_f32(a: mx.array) -> np.ndarray:
-    return np.asarray(a.astype(mx.float32))
 
 
 def rounding(model, stream: dict, rows: int, at: int) -> tuple[float, bool]:
