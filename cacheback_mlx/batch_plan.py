@@ -14,30 +14,55 @@ from .budget import Sizer
 class LaneCosts:
     """What a shared pass costs on this machine: the sizer's price of a solo pass of as many rows
     (its measured table knows the BLAS's row tiles) times what the lanes add: each attends over
-    its own cache, and its keys and values are written apart. That factor is about level across
-    the pass's rows (1.25-1.5 for 8 lanes of a 135M model at 8-24 rows, docs/BENCHMARKS.md §10), so
-    it is learned per lane count and context band as one number: a running mean over the passes
-    run, recent ones weighing more."""
+    its own cache, in products of its own, and its keys and values are written apart. That factor
+    grows with the rows each lane brings: 8 lanes of a 135M model on a 2-core CPU cost about
+    1.2x the price of a solo pass of as many rows at 1-1.5 rows a lane and 1.6-1.7x at 4-6
+    (docs/BENCHMARKS.md §10), so a factor level across rows priced wide passes low, and the
+    planner sent drafts that cost more than they gave. It is learned per lane count, context band and rows per lane (SPREAD), each as one
+    number: a running mean over the passes run, recent ones weighing more. A spread is priced at
+    least as dear as the spreads below it (timings are noisy, and more rows a lane never cost
+    less), and one not timed yet at the nearest timed one below it (above it, where none is), so
+    the planner tries it and learns its own."""
 
     DECAY = 0.97  # weight of a pass after each later one
+    SPREAD = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # rows per lane: the upper edges of the spreads learned apart
 
     def __init__(self, sizer: Sizer):
         self.sizer = sizer
-        self.ratios: dict[tuple[int, int], tuple[float, float]] = {}  # (lanes, band) -> (weight, sum)
+        self.ratios: dict[tuple[int, int, int], tuple[float, float]] = {}  # (lanes, band, spread) -> (weight, sum)
 
-    def factor(self, lanes: int, context: int) -> float:
-        """A shared pass of `lanes` lanes against a solo pass of as many rows (1 until one was timed)."""
-        w, total = self.ratios.get((lanes, context // 1024), (0.0, 0.0))
-        return total / w if w else 1.0
+    def spread(self, lanes: int, rows) -> np.ndarray | int:
+        """Which spread a pass of `rows` rows in all (an int or an array of them) over `lanes` lanes is in."""
+        return np.searchsorted(np.asarray(self.SPREAD) * lanes, rows, side="left")
+
+    def factors(self, lanes: int, context: int) -> np.ndarray:
+        """A shared pass of `lanes` lanes against a solo pass of as many rows, by spread (1 until one was timed)."""
+        band, n = context // 1024, len(self.SPREAD) + 1
+        timed = {}
+        for k in range(n):
+            w, total = self.ratios.get((lanes, band, k), (0.0, 0.0))
+            if w:
+                timed[k] = total / w
+        out = np.ones(n)
+        if timed:
+            last = timed[min(timed)]  # spreads below the lowest timed one take its factor
+            for k in range(n):  # and a spread is never priced below the ones under it
+                last = out[k] = max(timed.get(k, last), last)
+        return out
+
+    def factor(self, lanes: int, context: int, rows: int) -> float:
+        """The factor of a shared pass of `rows` rows in all over `lanes` lanes."""
+        return float(self.factors(lanes, context)[self.spread(lanes, rows)])
 
     def costs(self, lanes: int, context: int) -> np.ndarray:
         """Seconds of a shared pass of `lanes` lanes by its rows in all (index), padding included,
         at about `context` cached tokens a lane."""
-        return self.sizer.costs(context) * self.factor(lanes, context)
+        solo = self.sizer.costs(context)
+        return solo * self.factors(lanes, context)[self.spread(lanes, np.arange(len(solo)))]
 
     def timed(self, lanes: int, context: int, rows: int, seconds: float) -> None:
         """A shared pass of `lanes` lanes, run as `rows` rows in all, took `seconds`."""
-        key = (lanes, context // 1024)
+        key = (lanes, context // 1024, int(self.spread(lanes, rows)))
         w, total = self.ratios.get(key, (0.0, 0.0))
         ratio = seconds / self.sizer.price(rows, context)
         self.ratios[key] = (w * self.DECAY + 1.0, total * self.DECAY + ratio)
