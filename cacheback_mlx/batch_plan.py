@@ -18,11 +18,12 @@ class LaneCosts:
     grows with the rows each lane brings: 8 lanes of a 135M model on a 2-core CPU cost about
     1.2x the price of a solo pass of as many rows at 1-1.5 rows a lane and 1.6-1.7x at 4-6
     (docs/BENCHMARKS.md §10), so a factor level across rows priced wide passes low, and the
-    planner sent drafts that cost more than they gave. It is learned per lane count, context band and rows per lane (SPREAD), each as one
-    number: a running mean over the passes run, recent ones weighing more. A spread is priced at
-    least as dear as the spreads below it (timings are noisy, and more rows a lane never cost
-    less), and one not timed yet at the nearest timed one below it (above it, where none is), so
-    the planner tries it and learns its own."""
+    planner sent drafts that cost more than they gave. It is learned per lane count, context
+    band and rows per lane (SPREAD), each as one number: a running mean over the passes run,
+    recent ones weighing more. A spread is priced at least as dear as the spreads below it
+    (timings are noisy, and more rows a lane never cost less), and one not timed yet at the
+    nearest timed one below it (above it, where none is), so the planner tries it and learns
+    its own."""
 
     DECAY = 0.97  # weight of a pass after each later one
     SPREAD = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # rows per lane: the upper edges of the spreads learned apart
