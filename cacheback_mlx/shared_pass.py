@@ -56,14 +56,21 @@ class LaneMask:
 class PassPlan:
     """What every layer of a shared pass uses alike: each lane's rows, layout and positions before
     the pass, and, for lanes that are rows of one KVStack, how attention runs. The narrow lanes
-    (at most `width` rows) go as one call over the stack's rows lo..hi, their queries gathered
-    [rows, width, ...] and each masked to its own positions (stacked_mask, made once per window);
-    each wider lane goes as a call of its own. A stacked call pays `width` query rows for every
-    stack row in its range, so one lane of 16 rows beside seven of one would cost 128 rows'
-    attention (its exp dominates on the CPU): `width` is chosen for the fewest rows in all,
-    counting a call of its own as OWN_CALL rows."""
+    (at most `width` rows) go in stacked calls, each over a run of the stack's rows (`segments`:
+    first row, rows), their queries gathered [rows, width, ...] and each masked to its own
+    positions (stacked_mask, made once per segment and window); each wider lane goes as a call of
+    its own. A stacked call pays `width` query rows for every stack row in its run, a lane's or
+    not (a stack row whose lane is idle or not in this pass reads its keys and values as one that
+    is), so a run is cut where the lanes leave a gap dearer than another call (SEGMENT_CALL); and
+    one lane of 16 rows beside seven of one would cost 128 rows' attention (its exp dominates on
+    the CPU): `width` is chosen for the fewest rows in all, counting a wide lane's call of its own
+    as OWN_CALL rows."""
 
-    OWN_CALL = 8  # what a call of its own costs, in query rows of a stacked call (~400 keys, CPU)
+    OWN_CALL = 8  # what a wide lane's call of its own costs, in query rows of a stacked call (~400 keys, CPU)
+    # What another stacked call costs, in idle stack rows at width one: about one such row's keys
+    # and values read (2 lanes at rows 0 and 3 of 8 ran as fast either way, at rows 0 and 7 18%
+    # faster in two calls; the default model, 400 cached tokens, CPU)
+    SEGMENT_CALL = 2
 
     def __init__(self, caches: list[ModelCache], spans: list[tuple[int, int]], layouts: list[TreePass],
                  packed: bool = False):
@@ -81,12 +88,16 @@ class PassPlan:
         self.width = min(set(sizes), key=lambda w: (self._rows(w, sizes), -w))
         self.narrow = [i for i, n in enumerate(sizes) if n <= self.width]
         self.wide = [i for i, n in enumerate(sizes) if n > self.width]
-        rows = [self.rows_of[i] for i in self.narrow]
-        self.lo, self.rows = min(rows), max(rows) + 1 - min(rows)
+        self.segments = self._segments([self.rows_of[i] for i in self.narrow], self.width)
+        self.rows = sum(n for _, n in self.segments)  # stack rows the stacked calls run, all segments
+        place, at = {}, 0  # stack row -> its place among the stacked calls' rows
+        for lo, n in self.segments:
+            place.update({lo + k: at + k for k in range(n)})
+            at += n
         gather = np.zeros((self.rows, self.width), np.int32)  # flat row of each (lane, row); padding: 0
         back = np.zeros(spans[-1][1], np.int32)  # each row's place in [stacked rows, then each wide lane's]
         for i in self.narrow:
-            (a, b), r = spans[i], self.rows_of[i] - self.lo
+            (a, b), r = spans[i], place[self.rows_of[i]]
             gather[r, : b - a] = np.arange(a, b)
             back[a:b] = r * self.width + np.arange(b - a)
         at = self.rows * self.width
@@ -96,24 +107,43 @@ class PassPlan:
             at += b - a
         self.gather, self.back = mx.array(gather.reshape(-1)), mx.array(back)
 
-    def _rows(self, width: int, sizes: list[int]) -> int:
-        """Query rows that attention runs with lanes of at most `width` rows stacked."""
-        rows = [self.rows_of[i] for i, n in enumerate(sizes) if n <= width]
-        return (max(rows) + 1 - min(rows)) * width + sum(n + self.OWN_CALL for n in sizes if n > width)
+    def _segments(self, rows: list[int], width: int) -> list[tuple[int, int]]:
+        """The runs of stack rows (first, count) that the stacked calls take: the lanes' rows in
+        order, a gap between two of them bridged unless its idle rows cost more than a call."""
+        rows = sorted(rows)
+        out = [[rows[0], 1]]
+        for r in rows[1:]:
+            lo, n = out[-1]
+            if (r - lo - n) * width > self.SEGMENT_CALL:
+                out.append([r, 1])
+            else:
+                out[-1][1] = r + 1 - lo
+        return [(lo, n) for lo, n in out]
 
-    def stacked_mask(self, caches: list[LaneKVCache], window_size: int | None, keys: int) -> mx.array:
-        """[rows, 1, width, keys] bool over the stack's rows lo..hi: each narrow lane's own mask
-        (its rows over its positions), every other place False; rows of no narrow lane see one key
+    def _rows(self, width: int, sizes: list[int]) -> int:
+        """Query rows that attention runs with lanes of at most `width` rows stacked, each call
+        past the first counted as its rows (SEGMENT_CALL for a stacked one, OWN_CALL for a wide
+        lane's)."""
+        rows = [self.rows_of[i] for i, n in enumerate(sizes) if n <= width]
+        segments = self._segments(rows, width)
+        return (sum(n for _, n in segments) * width + (len(segments) - 1) * self.SEGMENT_CALL
+                + sum(n + self.OWN_CALL for n in sizes if n > width))
+
+    def stacked_mask(self, caches: list[LaneKVCache], window_size: int | None, segment: int,
+                     keys: int) -> mx.array:
+        """[rows, 1, width, keys] bool over a segment's stack rows: each narrow lane's own mask (its
+        rows over its positions), every other place False; rows of no narrow lane see one key
         (their output is dropped)."""
-        key = (window_size, caches[0].window, keys)
+        key = (window_size, caches[0].window, segment, keys)
         if key not in self.masks:
-            width = self.width
+            width, (lo, n) = self.width, self.segments[segment]
             idle = mx.arange(keys)[None].astype(mx.int32) == mx.zeros((width, 1), mx.int32)  # key 0 only
-            out = [idle] * self.rows
+            out = [idle] * n
             for i in self.narrow:
-                c, t, before = caches[i], self.spans[i][1] - self.spans[i][0], self.before[i]
-                m = dense_mask(c.mask_at(before, t, self.layouts[i], window_size), t, before + t)
-                out[self.rows_of[i] - self.lo] = _pad(_pad(m, 1, keys), 0, width, True)
+                if lo <= self.rows_of[i] < lo + n:
+                    c, t, before = caches[i], self.spans[i][1] - self.spans[i][0], self.before[i]
+                    m = dense_mask(c.mask_at(before, t, self.layouts[i], window_size), t, before + t)
+                    out[self.rows_of[i] - lo] = _pad(_pad(m, 1, keys), 0, width, True)
             self.masks[key] = mx.stack(out)[:, None]
         return self.masks[key]
 
@@ -200,18 +230,20 @@ class LaneView:
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
     def _stacked(self, queries: mx.array, scale: float, window_size: int | None, sinks) -> mx.array:
-        """The narrow lanes in one attention (queries gathered [rows, heads, width, dim] against
-        the stack's keys, rows lo..hi, up to the longest lane, each lane masked to its own
+        """The narrow lanes in one attention per segment (queries gathered [rows, heads, width, dim]
+        against the segment's stack rows, up to its longest lane, each lane masked to its own
         positions), then each wide lane in one of its own; every row back in its place."""
         plan, stack = self.plan, self.caches[0].stack
-        keys = max(self.caches[i].offset for i in plan.narrow)
         _, H, _, D = queries.shape
-        rows = slice(plan.lo, plan.lo + plan.rows)
         q = queries[0][:, plan.gather].reshape(H, plan.rows, plan.width, D).transpose(1, 0, 2, 3)
-        out = attention.scaled_dot_product_attention(q, stack.keys[rows, :, :keys], stack.values[rows, :, :keys],
-                                                     self.caches[0], scale,
-                                                     plan.stacked_mask(self.caches, window_size, keys), sinks)
-        parts = [out.transpose(1, 0, 2, 3).reshape(H, plan.rows * plan.width, D)]
+        parts, at = [], 0
+        for k, (lo, n) in enumerate(plan.segments):
+            keys = max(self.caches[i].offset for i in plan.narrow if lo <= plan.rows_of[i] < lo + n)
+            out = attention.scaled_dot_product_attention(q[at : at + n], stack.keys[lo : lo + n, :, :keys],
+                                                         stack.values[lo : lo + n, :, :keys], self.caches[0], scale,
+                                                         plan.stacked_mask(self.caches, window_size, k, keys), sinks)
+            parts.append(out.transpose(1, 0, 2, 3).reshape(H, n * plan.width, D))
+            at += n
         for i in plan.wide:
             c, (a, b) = self.caches[i], plan.spans[i]
             k, v = c.keys_and_values()

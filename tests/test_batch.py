@@ -413,3 +413,52 @@ def test_a_wide_lane_attends_in_a_call_of_its_own_and_every_lane_equals_its_solo
     for a, b in zip(logits[False], logits[True]):
         assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
         assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+
+
+@pytest.mark.parametrize("family,rows,drafts,segments", [
+    ("llama", [0, 1, 5, 7], [1, 0, 1, 0], [(0, 2), (5, 3)]),
+    ("gemma3_text", [0, 1, 5, 7], [1, 0, 1, 0], [(0, 2), (5, 3)]),
+    ("llama", [0, 7], [0, 0], [(0, 1), (7, 1)]),
+    ("llama", [2, 4, 5], [0, 0, 0], [(2, 4)]),
+])
+def test_lanes_far_apart_in_the_stack_attend_in_runs_of_their_own_and_equal_their_solo_passes(
+        family, rows, drafts, segments):
+    """Lanes at some rows of a stack of 8 (the others idle): one stacked call over all the rows
+    between them would read the idle rows' keys too, so the rows go in runs (PassPlan.segments),
+    cut where the idle rows cost more than another call (rows 0, 1, 5 and 7 at 2 rows a lane: 0-1,
+    then 5-7; rows 2, 4 and 5 at one row a lane: one run); each lane's logits equal its solo
+    pass's to rounding, with the same picks."""
+    model = zoo.tiny_model(family)
+    prompts = [p + [9] * k for k, p in enumerate(PROMPTS[: len(rows)])]  # lengths differ: a run reads to its longest
+    trees = [DraftTree([5 + k], [-1]) if n else DraftTree([], []) for k, n in enumerate(drafts)]
+    logits = {}
+    for shared in (False, True):
+        stacks = [KVStack(8) for _ in ModelCache(model).layers] if shared else None
+        caches = [ModelCache(model, stacks, row) for row in rows]
+        for c, p in zip(caches, prompts):
+            prefill(model, c, p[:-1])
+        passes = [(c, p[-1:], t, 1 + len(t)) for c, p, t in zip(caches, prompts, trees)]
+        if shared:
+            sizes = [1 + len(t) for t in trees]
+            spans = [(int(a), int(b)) for a, b in zip(np.cumsum([0] + sizes[:-1]), np.cumsum(sizes))]
+            plan = PassPlan(caches, spans, [TreePass() for _ in caches])
+            assert plan.wide == [] and plan.segments == segments
+            logits[shared] = batch_pass(model, passes)
+        else:
+            logits[shared] = [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes]
+    for a, b in zip(logits[False], logits[True]):
+        assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
+        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+
+
+def test_the_pass_timing_tool_places_a_layout_in_the_lanes_it_names():
+    """tools.ab.lane_pass: "1x2@0,7" is two lanes of one row in the batch's lanes 0 and 7 (what
+    PassPlan.segments is measured with); a layout without lanes takes the first ones."""
+    import click
+    from tools.ab.lane_pass import parse
+
+    assert parse("1x2@0,7") == ([1, 1], [0, 7])
+    assert parse("9+1x3") == ([9, 1, 1, 1], [0, 1, 2, 3])
+    for bad in ("1x2@0", "1x2@3,3", "1x2@-1,2"):
+        with pytest.raises(click.BadParameter):
+            parse(bad)

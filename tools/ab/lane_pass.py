@@ -4,10 +4,12 @@ against the sizer's price of a solo pass of as many rows (what batch_plan.LaneCo
     .venv/bin/python -m tools.ab.lane_pass [--model M] [--context 400] [--layouts "1x8;2x8;9+1x7;16+1x7"] [--ride 128]
         [--turns]
 
-A layout lists each lane's rows: "2x8" is 8 lanes of 2 rows, "9+1x7" one lane of 9 beside 7 of 1.
-Every lane holds `--context` cached tokens (random ids); each layout's pass (chains) is timed
---repeats times after two warm-ups and the median printed, with how attention ran it
-(shared_pass.PassPlan: the stacked width and the lanes in calls of their own). A model with
+A layout lists each lane's rows: "2x8" is 8 lanes of 2 rows, "9+1x7" one lane of 9 beside 7 of 1;
+"1x2@0,7" is 2 lanes of one row held in the batch's lanes 0 and 7 (by default a layout's lanes are
+the first ones; the batch's other lanes sit idle in its caches). Every lane holds `--context`
+cached tokens (random ids); each layout's pass (chains) is timed --repeats times after two
+warm-ups and the median printed, with how attention ran it (shared_pass.PassPlan: the stacked
+width, the runs of the batch's lanes stacked, and the lanes in calls of their own). A model with
 recurrent layers runs its lanes side by side (chains padded to the longest). --turns also times
 each layout as the lanes' passes of their own, one after another (lanes that take turns).
 """
@@ -21,13 +23,17 @@ import cacheback_mlx  # noqa: F401 - first: it preloads OpenBLAS before mlx.core
 import click
 
 
-def parse(layout: str) -> list[int]:
-    """"9+1x7" -> [9, 1, 1, 1, 1, 1, 1, 1]."""
+def parse(layout: str) -> tuple[list[int], list[int]]:
+    """"9+1x7" -> ([9, 1, 1, 1, 1, 1, 1, 1], [0, 1, ..., 7]); "1x2@0,7" -> ([1, 1], [0, 7])."""
+    layout, _, at = layout.partition("@")
     rows = []
     for part in layout.split("+"):
         n, _, times = part.partition("x")
         rows += [int(n)] * int(times or 1)
-    return rows
+    lanes = [int(x) for x in at.split(",")] if at else list(range(len(rows)))
+    if len(lanes) != len(rows) or len(set(lanes)) != len(lanes) or min(lanes) < 0:
+        raise click.BadParameter(f"{layout}@{at}: one distinct lane a lane's rows")
+    return rows, lanes
 
 
 @click.command()
@@ -50,7 +56,7 @@ def main(model, context, layouts, repeats, ride, turns):
 
     shapes = [parse(x) for x in layouts.split(";")]
     session = Session(model, "none")
-    batch = session.batch(max(len(s) for s in shapes) + (1 if ride else 0))  # the last lane takes the chunk
+    batch = session.batch(max(max(at) + 1 for _, at in shapes) + (1 if ride else 0))  # the last lane takes the chunk
     rng = np.random.default_rng(0)
     vocab = min(session.engine.vocab_size, 20000)
     lanes = [batch.join(rng.integers(100, vocab, context).tolist(), 10**6) for _ in range(batch.n)]
@@ -62,18 +68,18 @@ def main(model, context, layouts, repeats, ride, turns):
         return DraftTree(list(range(5, 4 + rows)), list(range(-1, rows - 2)))
 
     print(f"{batch.n} lanes, {context} cached tokens each; median of {repeats}")
-    print("| rows by lane | rows | shared pass ms | solo price ms | ratio | stacked width | own calls |"
-          + (" turns ms | turns / shared |" if turns else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if turns else ""))
-    for rows in shapes:
+    print("| rows by lane | lanes | rows | shared pass ms | solo price ms | ratio | stacked width | stacked runs "
+          "| own calls |" + (" turns ms | turns / shared |" if turns else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if turns else ""))
+    for rows, at in shapes:
         times, apart = [], []
         for _ in range(repeats + 2):
-            passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
+            passes = [(lanes[k].seq.cache, lanes[k].seq.lead, chain(r), r) for k, r in zip(at, rows)]
             t0 = time.perf_counter()
             mx.eval(batch_pass(batch.model, passes, batch.packed))
             times.append(time.perf_counter() - t0)
-            for lane in lanes[: len(rows)]:
-                lane.seq.cache.finish_pass([0], False)
+            for k in at:
+                lanes[k].seq.cache.finish_pass([0], False)
             if turns:
                 t0 = time.perf_counter()
                 for c, lead, tree, r in passes:
@@ -81,13 +87,15 @@ def main(model, context, layouts, repeats, ride, turns):
                     c.finish_pass([0], False)
                 apart.append(time.perf_counter() - t0)
         spans = list(zip(np.cumsum([0] + rows[:-1]).tolist(), np.cumsum(rows).tolist()))
-        plan = PassPlan([lane.seq.cache for lane in lanes[: len(rows)]], spans, [TreePass() for _ in rows])
+        plan = PassPlan([lanes[k].seq.cache for k in at], spans, [TreePass() for _ in rows])
         ms = float(np.median(times[2:])) * 1e3
         price = sizer.price(sum(rows), context) * 1e3
-        width, own = (plan.width, len(getattr(plan, "wide", []))) if plan.rows_of is not None else ("-", "-")
+        width, runs, own = ((plan.width, len(plan.segments), len(plan.wide)) if plan.rows_of is not None
+                            else ("-", "-", "-"))
         if batch.side_by_side:  # lanes as batch rows, each as wide as the widest
-            width, own = f"side by side, {max(rows)}", 0
-        line = f"| {rows} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | {width} | {own} |"
+            width, runs, own = f"side by side, {max(rows)}", "-", 0
+        line = (f"| {rows} | {','.join(map(str, at))} | {sum(rows)} | {ms:.1f} | {price:.1f} | {ms / price:.2f} | "
+                f"{width} | {runs} | {own} |")
         if turns:
             own_ms = float(np.median(apart[2:])) * 1e3
             line += f" {own_ms:.1f} | {own_ms / ms:.2f} |"
@@ -98,11 +106,11 @@ def main(model, context, layouts, repeats, ride, turns):
     print(f"\nA {ride}-token prefill chunk (a lane with {context} cached tokens); median of {repeats}")
     print("| rows by lane | riding in the pass ms | chunk alone + the pass ms | riding / apart |")
     print("|---|---:|---:|---:|")
-    for rows in shapes:
+    for rows, at in shapes:
         times = {True: [], False: []}
         for _ in range(repeats + 2):
             for riding in (True, False):
-                passes = [(lane.seq.cache, lane.seq.lead, chain(r), r) for lane, r in zip(lanes, rows)]
+                passes = [(lanes[k].seq.cache, lanes[k].seq.lead, chain(r), r) for k, r in zip(at, rows)]
                 t0 = time.perf_counter()
                 if riding:
                     riders = [(rider, chunk, DraftTree([], []), ride)]
@@ -111,8 +119,8 @@ def main(model, context, layouts, repeats, ride, turns):
                     mx.eval(batch_pass(batch.model, passes, batch.packed))
                     prefill(batch.model, rider, chunk, ride)
                 times[riding].append(time.perf_counter() - t0)
-                for lane in lanes[: len(rows)]:
-                    lane.seq.cache.finish_pass([0], False)
+                for k in at:
+                    lanes[k].seq.cache.finish_pass([0], False)
                 if riding:
                     rider.finish_pass([], False)
                 else:
