@@ -8,7 +8,11 @@ Each client sends one chat completion (greedy) at the same moment: a Spec-Bench 
 HumanEval prompt (a seeded sample, alternating); with `--rounds K`, K of them one after another
 (a steady load at a fixed concurrency); with `--kind infill`, llama.vim's /infill requests on
 click's core.py instead (our servers only); with `--vs-solo`, each request again alone (every
-server starting from the same state). Per server and client count: aggregate completion
+server starting from the same state); with `--costs DIR`, each of our servers starts with the pass
+costs measured into the cache folder DIR (`XDG_CACHE_HOME=DIR cacheback-mlx bench --verify-cost`),
+as a server does that has run on this machine before or been idle a while (a fresh server prices
+passes from a fitted line until it measures its table when idle, which a run of this tool never
+leaves it). Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
 latency, and whether every answer equals mlx-lm's server's (else ours `none`'s), text for text.
 """
@@ -137,6 +141,19 @@ def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = 
     return out, time.perf_counter() - t0
 
 
+def new_cache(work: Path, costs: str | None) -> str:
+    """An empty cache folder for a server, holding only the pass costs measured into the cache
+    folder `costs` (None: nothing, as on a fresh machine)."""
+    folder = tempfile.mkdtemp(dir=work)
+    if costs:
+        measured = Path(costs) / "cacheback-mlx" / "verify-cost"
+        if not measured.is_dir():
+            raise SystemExit(f"--costs {costs}: no measured pass costs in it (run XDG_CACHE_HOME={costs} "
+                             "cacheback-mlx bench --verify-cost first)")
+        shutil.copytree(measured, Path(folder) / "cacheback-mlx" / "verify-cost")
+    return folder
+
+
 def copy_cache(base: str, work: Path) -> str:
     """A new cache folder holding what `base` holds: a server's measured pass costs, and the store
     and scores its drafters kept after the warm-up. With --vs-solo every server starts from it, so
@@ -177,6 +194,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kind", choices=["chat", "infill"], default="chat",
                     help="chat: chat completions; infill: llama.vim's /infill requests on click's core.py (our "
                          "servers only: mlx-lm's has no /infill)")
+    ap.add_argument("--costs", default=None, help="a cache folder whose measured pass costs each of our servers "
+                    "starts with (default: none, as a fresh server)")
     ap.add_argument("--dump", default=None, help="write every answer's text here (JSON)")
     ap.add_argument("--vs-solo", action="store_true",
                     help="run each sample on a server of its own, then send each of its requests alone to a server "
@@ -200,11 +219,11 @@ def main(argv=None) -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         if not args.vs_solo:  # one server for every sample
-            with serving(kind, folder, port, parallel, tempfile.mkdtemp(dir=work)) as model:
+            with serving(kind, folder, port, parallel, new_cache(work, args.costs)) as model:
                 for key, texts in samples.items():
                     results.setdefault(kind, {})[key] = clients(url, texts, args.max_tokens, model, key[0])
             continue
-        base = tempfile.mkdtemp(dir=work)
+        base = new_cache(work, args.costs)
         with serving(kind, folder, port, parallel, base):
             pass  # measured pass costs, and the warm-up's store and scores: where every server below starts
         for key, texts in samples.items():

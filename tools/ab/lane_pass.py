@@ -32,7 +32,7 @@ def parse(layout: str) -> tuple[list[int], list[int]]:
         rows += [int(n)] * int(times or 1)
     lanes = [int(x) for x in at.split(",")] if at else list(range(len(rows)))
     if len(lanes) != len(rows) or len(set(lanes)) != len(lanes) or min(lanes) < 0:
-        raise click.BadParameter(f"{layout}@{at}: one distinct lane a lane's rows")
+        raise click.BadParameter(f"{layout}@{at}: name a distinct lane (0 or more) for each lane's rows")
     return rows, lanes
 
 
