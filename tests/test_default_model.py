@@ -207,6 +207,38 @@ def test_requests_in_one_batch_are_lossless_on_the_default_model(default_model, 
     assert lanes[-1].stats.prefill_tokens == 0
 
 
+def test_lanes_far_apart_in_a_batch_are_lossless_on_the_default_model(default_model, plain_outputs, monkeypatch):
+    """Two requests in lanes 0 and 5 of 6, the four between them done after one token: the two
+    attend in runs of their own (shared_pass.PassPlan.segments) and each one's output is plain
+    greedy decoding's."""
+    from cacheback_mlx.batch import Batch
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import PriorCost
+    from cacheback_mlx.shared_pass import PassPlan
+
+    eng = Engine(default_model.model, [], make_drafter("none"), default_model.context_length)
+    eng.set_sizer(Sizer(PriorCost.for_model(default_model.model, eng.buckets)))
+    batch = Batch(eng, 6, lambda: make_drafter("auto", persist=False))
+    (a, truth_a), (b, truth_b) = plain_outputs["chat"], plain_outputs["raw"]
+    runs = [(a, N // 2)] + [(a if k % 2 else b, 1) for k in range(4)] + [(b, N // 2)]
+    lanes = [batch.join(ids, n) for ids, n in runs]
+    assert [lane.index for lane in lanes] == list(range(6))
+    cut = []
+    plan_init = PassPlan.__init__
+
+    def watched(self, *args, **kwargs):
+        plan_init(self, *args, **kwargs)
+        if self.rows_of is not None and len(self.segments) > 1:
+            cut.append(self.segments)
+
+    monkeypatch.setattr(PassPlan, "__init__", watched)  # to see the plans the passes make
+    while batch.lanes:
+        batch.step()
+    assert lanes[0].tokens == truth_a[: N // 2] and lanes[5].tokens == truth_b[: N // 2]
+    assert all(lane.tokens == (truth_a if k % 2 else truth_b)[:1] for k, lane in zip(range(4), lanes[1:5]))
+    assert cut, "no pass ran the two lanes in runs of their own"
+
+
 def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, plain_outputs):
     """Metal's default, forced on: plain steps start the next before their token is read, with
     `none` (the chat prompt) and with `auto` going quiet and drafting again (the raw one; every
