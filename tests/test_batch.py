@@ -387,6 +387,30 @@ def test_a_lane_takes_another_lanes_prefix_instead_of_prefilling_it(family):
     assert other.stats.prefill_tokens == (2 if copies else 22)
 
 
+def _against_solo_passes(model, prompts, trees, rows, lanes: int) -> PassPlan:
+    """Each prompt prefilled but its last token, then that token and its tree in one shared pass
+    (the prompts' caches in `rows` of a stack of `lanes`) and in passes of their own: each lane's
+    logits equal its solo pass's to rounding, with the same picks. The shared pass's plan."""
+    logits, plan = {}, None
+    for shared in (False, True):
+        stacks = [KVStack(lanes) for _ in ModelCache(model).layers] if shared else None
+        caches = [ModelCache(model, stacks, row) for row in rows]
+        for c, p in zip(caches, prompts):
+            prefill(model, c, p[:-1])
+        passes = [(c, p[-1:], t, 1 + len(t)) for c, p, t in zip(caches, prompts, trees)]
+        if shared:
+            sizes = [1 + len(t) for t in trees]
+            spans = [(int(a), int(b)) for a, b in zip(np.cumsum([0] + sizes[:-1]), np.cumsum(sizes))]
+            plan = PassPlan(caches, spans, [TreePass() for _ in caches])
+            logits[shared] = batch_pass(model, passes)
+        else:
+            logits[shared] = [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes]
+    for a, b in zip(logits[False], logits[True]):
+        assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
+        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+    return plan
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_a_wide_lane_attends_in_a_call_of_its_own_and_every_lane_equals_its_solo_pass(family):
     """One lane of 13 rows beside lanes of 1-2: stacking them all would pay 13 query rows a lane,
@@ -396,23 +420,8 @@ def test_a_wide_lane_attends_in_a_call_of_its_own_and_every_lane_equals_its_solo
     prompts = PROMPTS[:4]
     trees = [DraftTree([(i + 2) % 97 + 1 for i in range(12)], [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 6, 9]),
              DraftTree([], []), DraftTree([5], [-1]), DraftTree([], [])]
-    logits = {}
-    for shared in (False, True):
-        stacks = [KVStack(len(prompts)) for _ in ModelCache(model).layers] if shared else None
-        caches = [ModelCache(model, stacks, row) for row in range(len(prompts))]
-        for c, p in zip(caches, prompts):
-            prefill(model, c, p[:-1])
-        passes = [(c, p[-1:], t, 1 + len(t)) for c, p, t in zip(caches, prompts, trees)]
-        if shared:
-            spans = list(zip(np.cumsum([0, 13, 1, 2])[:4], np.cumsum([13, 1, 2, 1])))
-            plan = PassPlan(caches, [(int(a), int(b)) for a, b in spans], [TreePass() for _ in caches])
-            assert plan.wide == [0] and plan.narrow == [1, 2, 3] and plan.width == 2
-            logits[shared] = batch_pass(model, passes)
-        else:
-            logits[shared] = [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes]
-    for a, b in zip(logits[False], logits[True]):
-        assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
-        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+    plan = _against_solo_passes(model, prompts, trees, range(len(prompts)), len(prompts))
+    assert plan.wide == [0] and plan.narrow == [1, 2, 3] and plan.width == 2
 
 
 @pytest.mark.parametrize("family,rows,drafts,segments", [
@@ -425,30 +434,14 @@ def test_lanes_far_apart_in_the_stack_attend_in_runs_of_their_own_and_equal_thei
         family, rows, drafts, segments):
     """Lanes at some rows of a stack of 8 (the others idle): one stacked call over all the rows
     between them would read the idle rows' keys too, so the rows go in runs (PassPlan.segments),
-    cut where the idle rows cost more than another call (rows 0, 1, 5 and 7 at 2 rows a lane: 0-1,
-    then 5-7; rows 2, 4 and 5 at one row a lane: one run); each lane's logits equal its solo
+    cut where the idle rows cost more than another call (rows 0, 1, 5 and 7, stacked 2 rows wide:
+    0-1, then 5-7; rows 2, 4 and 5 at one row a lane: one run); each lane's logits equal its solo
     pass's to rounding, with the same picks."""
     model = zoo.tiny_model(family)
     prompts = [p + [9] * k for k, p in enumerate(PROMPTS[: len(rows)])]  # lengths differ: a run reads to its longest
     trees = [DraftTree([5 + k], [-1]) if n else DraftTree([], []) for k, n in enumerate(drafts)]
-    logits = {}
-    for shared in (False, True):
-        stacks = [KVStack(8) for _ in ModelCache(model).layers] if shared else None
-        caches = [ModelCache(model, stacks, row) for row in rows]
-        for c, p in zip(caches, prompts):
-            prefill(model, c, p[:-1])
-        passes = [(c, p[-1:], t, 1 + len(t)) for c, p, t in zip(caches, prompts, trees)]
-        if shared:
-            sizes = [1 + len(t) for t in trees]
-            spans = [(int(a), int(b)) for a, b in zip(np.cumsum([0] + sizes[:-1]), np.cumsum(sizes))]
-            plan = PassPlan(caches, spans, [TreePass() for _ in caches])
-            assert plan.wide == [] and plan.segments == segments
-            logits[shared] = batch_pass(model, passes)
-        else:
-            logits[shared] = [verify_pass(model, c, lead, t, rows=r) for c, lead, t, r in passes]
-    for a, b in zip(logits[False], logits[True]):
-        assert mx.abs(a - b).max().item() <= 1e-3 * max(1.0, mx.abs(a).max().item())
-        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+    plan = _against_solo_passes(model, prompts, trees, rows, 8)
+    assert plan.wide == [] and plan.segments == segments
 
 
 def test_the_pass_timing_tool_places_a_layout_in_the_lanes_it_names():
