@@ -165,6 +165,9 @@ def test_a_fresh_session_measures_nothing_and_decodes_exactly(tmp_path, monkeypa
 
 def test_idle_measurement_goes_a_pass_at_a_time_and_is_taken_up(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # a tiny model's passes take ~3 ms, so a busy moment spreads its rounds past the guard against
+    # tables measured under load (tested above); here the table is kept however busy the machine
+    monkeypatch.setattr(costs, "NOISY", float("inf"))
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, context=2048)
     s, other = Session(str(path), "ngram"), Session(str(path), "ngram")
@@ -173,8 +176,11 @@ def test_idle_measurement_goes_a_pass_at_a_time_and_is_taken_up(tmp_path, monkey
     assert other.measure_step()  # the other takes the lock first ...
     assert not s.measure_step()  # ... so this one does not measure too
     steps = 1
-    while other.measure_step():
-        steps += 1
+    for _ in range(2):  # as serve does: a table measured under load is measured once more
+        while other.measure_step():
+            steps += 1
+        if isinstance(other.engine.sizer.cost, CostTable):
+            break
     assert steps > 20 and isinstance(other.engine.sizer.cost, CostTable)
     assert isinstance(s.cost_file.read(), CostTable)
     s.look_for_table(every=0)  # the table another process measured is taken up
