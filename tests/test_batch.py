@@ -429,6 +429,9 @@ def test_a_wide_lane_attends_in_a_call_of_its_own_and_every_lane_equals_its_solo
     ("gemma3_text", [0, 1, 5, 7], [1, 0, 1, 0], [(0, 2), (5, 3)]),
     ("llama", [0, 7], [0, 0], [(0, 1), (7, 1)]),
     ("llama", [2, 4, 5], [0, 0, 0], [(2, 4)]),
+    ("gemma3n", [0, 1, 5, 7], [1, 0, 1, 0], [(0, 2), (5, 3)]),
+    ("qwen3_moe", [0, 7], [1, 0], [(0, 1), (7, 1)]),
+    ("qwen3_5", [0, 1, 5, 7], [1, 0, 1, 0], [(0, 2), (5, 3)]),
 ])
 def test_lanes_far_apart_in_the_stack_attend_in_runs_of_their_own_and_equal_their_solo_passes(
         family, rows, drafts, segments):
