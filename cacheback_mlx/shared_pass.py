@@ -89,6 +89,8 @@ class PassPlan:
         self.narrow = [i for i, n in enumerate(sizes) if n <= self.width]
         self.wide = [i for i, n in enumerate(sizes) if n > self.width]
         self.segments = self._segments([self.rows_of[i] for i in self.narrow], self.width)
+        self.members = [[i for i in self.narrow if lo <= self.rows_of[i] < lo + n]  # each segment's lanes
+                        for lo, n in self.segments]
         self.rows = sum(n for _, n in self.segments)  # stack rows the stacked calls run, all segments
         place, at = {}, 0  # stack row -> its place among the stacked calls' rows
         for lo, n in self.segments:
@@ -139,11 +141,10 @@ class PassPlan:
             width, (lo, n) = self.width, self.segments[segment]
             idle = mx.arange(keys)[None].astype(mx.int32) == mx.zeros((width, 1), mx.int32)  # key 0 only
             out = [idle] * n
-            for i in self.narrow:
-                if lo <= self.rows_of[i] < lo + n:
-                    c, t, before = caches[i], self.spans[i][1] - self.spans[i][0], self.before[i]
-                    m = dense_mask(c.mask_at(before, t, self.layouts[i], window_size), t, before + t)
-                    out[self.rows_of[i] - lo] = _pad(_pad(m, 1, keys), 0, width, True)
+            for i in self.members[segment]:
+                c, t, before = caches[i], self.spans[i][1] - self.spans[i][0], self.before[i]
+                m = dense_mask(c.mask_at(before, t, self.layouts[i], window_size), t, before + t)
+                out[self.rows_of[i] - lo] = _pad(_pad(m, 1, keys), 0, width, True)
             self.masks[key] = mx.stack(out)[:, None]
         return self.masks[key]
 
@@ -238,7 +239,7 @@ class LaneView:
         q = queries[0][:, plan.gather].reshape(H, plan.rows, plan.width, D).transpose(1, 0, 2, 3)
         parts, at = [], 0
         for k, (lo, n) in enumerate(plan.segments):
-            keys = max(self.caches[i].offset for i in plan.narrow if lo <= plan.rows_of[i] < lo + n)
+            keys = max(self.caches[i].offset for i in plan.members[k])
             out = attention.scaled_dot_product_attention(q[at : at + n], stack.keys[lo : lo + n, :, :keys],
                                                          stack.values[lo : lo + n, :, :keys], self.caches[0], scale,
                                                          plan.stacked_mask(self.caches, window_size, k, keys), sinks)

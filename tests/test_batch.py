@@ -445,16 +445,3 @@ def test_lanes_far_apart_in_the_stack_attend_in_runs_of_their_own_and_equal_thei
     trees = [DraftTree([5 + k], [-1]) if n else DraftTree([], []) for k, n in enumerate(drafts)]
     plan = _against_solo_passes(model, prompts, trees, rows, 8)
     assert plan.wide == [] and plan.segments == segments
-
-
-def test_the_pass_timing_tool_places_a_layout_in_the_lanes_it_names():
-    """tools.ab.lane_pass: "1x2@0,7" is two lanes of one row in the batch's lanes 0 and 7 (what
-    PassPlan.segments is measured with); a layout without lanes takes the first ones."""
-    import click
-    from tools.ab.lane_pass import parse
-
-    assert parse("1x2@0,7") == ([1, 1], [0, 7])
-    assert parse("9+1x3") == ([9, 1, 1, 1], [0, 1, 2, 3])
-    for bad in ("1x2@0", "1x2@3,3", "1x2@-1,2"):
-        with pytest.raises(click.BadParameter):
-            parse(bad)

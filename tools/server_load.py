@@ -141,16 +141,21 @@ def clients(url: str, texts: list, max_tokens: int, model: str, n: int | None = 
     return out, time.perf_counter() - t0
 
 
+def measured_costs(costs: str) -> Path:
+    """The measured pass costs in the cache folder `costs` (--costs); a one-line exit if none."""
+    measured = Path(costs) / "cacheback-mlx" / "verify-cost"
+    if not measured.is_dir() or not any(measured.glob("*.json")):
+        raise SystemExit(f"--costs {costs}: no measured pass costs in it (run XDG_CACHE_HOME={costs} "
+                         "cacheback-mlx bench --verify-cost first)")
+    return measured
+
+
 def new_cache(work: Path, costs: str | None) -> str:
     """An empty cache folder for a server, holding only the pass costs measured into the cache
     folder `costs` (None: nothing, as on a fresh machine)."""
     folder = tempfile.mkdtemp(dir=work)
     if costs:
-        measured = Path(costs) / "cacheback-mlx" / "verify-cost"
-        if not measured.is_dir():
-            raise SystemExit(f"--costs {costs}: no measured pass costs in it (run XDG_CACHE_HOME={costs} "
-                             "cacheback-mlx bench --verify-cost first)")
-        shutil.copytree(measured, Path(folder) / "cacheback-mlx" / "verify-cost")
+        shutil.copytree(measured_costs(costs), Path(folder) / "cacheback-mlx" / "verify-cost")
     return folder
 
 
@@ -202,6 +207,8 @@ def main(argv=None) -> None:
                          "of its own, every server starting from the same state (copy_cache), and report each "
                          "request's latency under load against its latency alone")
     args = ap.parse_args(argv)
+    if args.costs:
+        measured_costs(args.costs)  # before any server runs
     counts = [int(c) for c in args.clients.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     parallel = args.parallel or max(counts)

@@ -1,0 +1,40 @@
+"""The measuring tools' own inputs (tools/): what they take, and a one-line exit on a bad one."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from tools.ab.lane_pass import parse
+from tools.server_load import measured_costs, new_cache
+
+
+def test_the_pass_timing_tool_places_a_layout_in_the_lanes_it_names():
+    """tools.ab.lane_pass: "1x2@0,7" is two lanes of one row in the batch's lanes 0 and 7 (what
+    PassPlan.segments is measured with); a layout without lanes takes the first ones."""
+    assert parse("1x2@0,7") == ([1, 1], [0, 7])
+    assert parse("9+1x3") == ([9, 1, 1, 1], [0, 1, 2, 3])
+    for bad in ("1x2@0", "1x2@3,3", "1x2@-1,2"):
+        with pytest.raises(click.BadParameter):
+            parse(bad)
+
+
+def test_server_load_starts_servers_with_the_costs_it_is_given_and_refuses_a_folder_without(tmp_path):
+    """tools.server_load --costs DIR: each server's cache gets DIR's measured pass costs; a folder
+    holding none stops the tool at once with one line, before any server runs."""
+    given = tmp_path / "given" / "cacheback-mlx" / "verify-cost"
+    given.mkdir(parents=True)
+    (given / "abc.json").write_text("{}")
+    work = tmp_path / "work"
+    work.mkdir()
+    folder = new_cache(work, str(tmp_path / "given"))
+    assert (work / folder / "cacheback-mlx" / "verify-cost" / "abc.json").read_text() == "{}"
+    assert list((work / new_cache(work, None)).iterdir()) == []
+    with pytest.raises(SystemExit, match="no measured pass costs"):
+        measured_costs(str(tmp_path / "empty"))
+    out = subprocess.run([sys.executable, "-m", "tools.server_load", "--costs", str(tmp_path / "empty")],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode != 0 and "no measured pass costs" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
