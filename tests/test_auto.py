@@ -425,6 +425,83 @@ def test_a_damaged_shipped_datastore_means_drafting_without_it(tmp_path, monkeyp
     assert rest.shipped_datastore() is not None
 
 
+def test_a_new_auto_starts_from_the_shipped_scores_for_their_tokenizer_only(tmp_path):
+    """A drafter that has learned nothing starts from the scores learned on the default model's own
+    answers (tools/build_default_scores.py), for that tokenizer (or unchecked offline); another
+    tokenizer's, or scores=False, from PRIOR; scores=FILE from that file; a bad file is one line."""
+    import gzip
+
+    from cacheback_mlx.drafters import auto, rest
+    from cacheback_mlx.errors import CachebackError
+
+    state, fingerprint = auto._shipped_scores()
+    assert fingerprint == rest._shipped()[1]  # the tokenizer of the shipped datastore: the default model's
+    assert auto.shipped_scores(fingerprint) is state and auto.shipped_scores("0" * 16) is None
+    assert len(state["w"]) > 10_000 and all(n >= 4 or n == 0 for _, _, n in state["w"])
+    prior = Scorer(auto.PRIOR)
+    shipped = Scorer()
+    shipped.load_state(state)
+    for kwargs in ({}, {"fingerprint": fingerprint}, {"scores": True}):
+        assert AutoDrafter(persist=False, **kwargs).scorer.w == shipped.w
+    for kwargs in ({"fingerprint": "0" * 16}, {"scores": False}):
+        d = AutoDrafter(persist=False, **kwargs)
+        assert d.scorer.w == prior.w and d.scorer.bias == prior.bias
+    mine = tmp_path / "mine.json.gz"
+    with gzip.open(mine, "wt") as f:
+        scores = {"version": 1, "bias": 0.5, "bias_n": 3, "w": [[["depth", 3], 1.5, 9]]}
+        json.dump({"fingerprint": "x", "scores": scores}, f)
+    d = AutoDrafter(persist=False, scores=mine)
+    assert d.scorer.w == {("depth", 3): 1.5} and d.scorer.bias == 0.5
+    for bad in (tmp_path / "missing.json.gz", tmp_path / "bad.json.gz"):
+        if bad.name.startswith("bad"):
+            bad.write_bytes(b"not gzip")
+        with pytest.raises(CachebackError, match="cannot read scores") as e:
+            AutoDrafter(persist=False, scores=bad)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "not a scorer"])
+def test_damaged_shipped_scores_mean_starting_from_prior(tmp_path, monkeypatch, caplog, damage):
+    """A missing or unreadable shipped scores file: PRIOR, with a warning when it is there; never an error."""
+    import gzip
+
+    from cacheback_mlx.drafters import auto
+
+    path = tmp_path / "scores.json.gz"
+    if damage == "garbage":
+        path.write_bytes(b"\x1f\x8b not really gzip")
+    elif damage == "not a scorer":
+        with gzip.open(path, "wt") as f:
+            json.dump({"fingerprint": "x", "scores": {"version": 1, "bias": 0, "w": [["x", "y"]]}}, f)
+    monkeypatch.setattr(auto, "SHIPPED_SCORES", path)
+    auto._shipped_scores.cache_clear()
+    try:
+        assert auto.shipped_scores() is None
+        assert AutoDrafter(persist=False).scorer.w == Scorer(auto.PRIOR).w
+        assert ("unreadable" in caplog.text) is (damage != "missing")
+    finally:
+        monkeypatch.undo()
+        auto._shipped_scores.cache_clear()
+    assert auto.shipped_scores() is not None
+
+
+@pytest.mark.skipif(not (SHARED_STREAMS / "greedy_outputs.json").is_file(), reason="needs ../shared data")
+def test_the_shipped_scores_draft_better_than_prior_for_a_new_drafter():
+    """Exact MAT on recorded greedy streams of the default model, a new drafter for each (a fresh
+    install's first requests; docs/BENCHMARKS.md §4 has every stream): the shipped scores, learned
+    on other text (the model's own answers), beat the hand-set PRIOR."""
+    streams = load_streams()[::8]
+
+    def mat(scores):
+        tokens = steps = 0
+        for s in streams:
+            r = replay(AutoDrafter(persist=False, scores=scores), s["prompt"], s["out"], 7)
+            tokens, steps = tokens + r.tokens, steps + r.steps
+        return tokens / steps
+
+    assert mat(None) > 1.02 * mat(False)
+
+
 def test_auto_scores_are_calibrated_after_learning():
     """On a noisy repeating stream the scores' sum (expected accepted drafts) tracks what is
     actually accepted, step by step: what the per-step budget relies on."""
@@ -459,7 +536,7 @@ def test_auto_learns_which_tokens_the_model_takes_beside_the_sources_evidence():
     always took one token after the root's, that token (and that pair) scores higher."""
     from cacheback_mlx.drafters.auto import PAIR_MASK, _Trie
 
-    d = AutoDrafter(ssd=False, frozen=False)
+    d = AutoDrafter(ssd=False, frozen=False, scores=False)  # from PRIOR: nothing learned of these tokens
     def trie(root):
         t = _Trie()
         t.root = root

@@ -12,8 +12,10 @@ Their candidates are merged into one trie (a token proposed by several sources i
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
 agree, the depth, and the token itself alone and after its parent's), and its path probability is
-the product down from the root. What the scorer learned is kept beside SSD's store on disk
-(`auto-scores.json`, one per tokenizer), so a new process starts from it. The tree is built
+the product down from the root. A new drafter starts from the shipped scores
+(`shipped_scores`: learned on the default model's own answers, for its tokenizer), then from what
+the scorer learned here, kept beside SSD's store on disk (`auto-scores.json`, one per tokenizer),
+so a new process starts from it. The tree is built
 best-first: the most probable node not yet taken is taken next and looked up in the tables, so the
 lookups go where acceptance is likely, and only the children of taken nodes are ever scored. The
 tree sent is the `budget` nodes with the highest path probability, best first, with their scores:
@@ -22,11 +24,16 @@ the engine sizes the pass from them (budget.py), down to no draft at all when no
 
 from __future__ import annotations
 
+import gzip
 import heapq
+import json
+import logging
 import math
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import CachebackError
 from ..tree import DraftTree
 from .base import Drafter
 from .cacheback import CachebackDrafter
@@ -47,12 +54,52 @@ GAP = -1  # separates learned text from the history in the own-history index (ne
 # same in every process, so kept weights keep their meaning)
 PAIR_MASK = (1 << 18) - 1
 SCORES_FILE = "auto-scores.json"  # the scorer's weights, kept in SSD's store folder between runs
+# The scorer's weights learned on the default model's own answers (tools/build_default_scores.py):
+# where a drafter starts before it has learned anything on this machine
+SHIPPED_SCORES = Path(__file__).resolve().parents[1] / "data" / "auto_scores_smollm2.json.gz"
+
+log = logging.getLogger(__name__)
 
 # Starting logits (a fresh drafter has seen no pass yet); learning moves them within a few steps.
 PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("ssd", 1): 0.0,
          ("ssd", 2): 0.4, ("ssd", 3): 0.8, ("ssd", 4): 1.2, ("rest", 1): 0.0, ("rest", 2): 0.4,
          ("rest", 3): 0.8, ("rest", 4): 1.2, ("dyn", 0): 0.6, ("dyn", 1): 0.0,
          ("frz", 0): 0.2, ("agree", 2): 0.5, ("agree", 3): 0.8}
+
+
+def read_scores(path: str | Path) -> tuple[dict, str]:
+    """A scores file as tools/build_default_scores.py writes it (gzipped JSON: {"fingerprint": the
+    tokenizer's, "scores": Scorer.state()}): (the scorer's state, the fingerprint). OSError or
+    ValueError (KeyError, TypeError) when it is not one."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        saved = json.load(f)
+    Scorer().load_state(saved["scores"])  # raises on anything but a scorer's state
+    return saved["scores"], str(saved["fingerprint"])
+
+
+@lru_cache(maxsize=1)
+def _shipped_scores() -> tuple[dict, str] | None:
+    if not SHIPPED_SCORES.is_file():
+        return None
+    try:
+        return read_scores(SHIPPED_SCORES)
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+        log.warning("the shipped scores %s are unreadable (%s: %s); starting from the defaults",
+                    SHIPPED_SCORES, type(e).__name__, e)
+        return None
+
+
+def shipped_scores(fingerprint: str | None = None) -> dict | None:
+    """The scorer's weights learned by replaying `auto` over the default model's own answers (the
+    shipped datastore's, each with a datastore and a frozen table that leave it out:
+    tools/build_default_scores.py), as Scorer.state() gives them; read once per process. None when
+    missing or learned for another tokenizer than `fingerprint`'s. A fresh drafter drafts better
+    from them than from PRIOR (docs/BENCHMARKS.md §4), the default model's and others of its
+    tokenizer alike, until it has learned on its own."""
+    shipped = _shipped_scores()
+    if shipped is None or fingerprint not in (None, shipped[1]):
+        return None
+    return shipped[0]
 
 
 def _bucket(n: int) -> int:
@@ -242,12 +289,16 @@ class AutoDrafter(Drafter):
 
     def __init__(self, ssd: bool = True, ssd_path: str | Path | None = None, persist: bool = True,
                  frozen: str | Path | bool | None = None, fingerprint: str | None = None,
-                 datastore: str | Path | bool | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000):
+                 datastore: str | Path | bool | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000,
+                 scores: str | Path | bool | None = None):
         """ssd=False leaves out the cross-request buffer (ssd_path / persist / ssd_capacity are
         SsdDrafter's path / persist / capacity);
         frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder; None = the
         shipped one (the default model's own answers) when the tokenizer is the one it was built
-        with; False = none."""
+        with; False = none. scores: where the scorer starts (what it kept on disk, when persisted,
+        replaces it): None or True = the shipped scores (shipped_scores) when the tokenizer is the
+        one they were learned with, else PRIOR; False = PRIOR; a path = a scores file of
+        tools/build_default_scores.py's format."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
         self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
                               capacity=ssd_capacity) if ssd else None
@@ -259,6 +310,17 @@ class AutoDrafter(Drafter):
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
         self.max_expand = max_expand
         self.scorer = Scorer(PRIOR)
+        if scores is None or scores is True:
+            start = shipped_scores(fingerprint)
+        elif scores is False:
+            start = None
+        else:
+            try:
+                start = read_scores(scores)[0]
+            except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+                raise CachebackError(f"auto: cannot read scores {scores}: {type(e).__name__}: {e}") from None
+        if start is not None:
+            self.scorer.load_state(start)
         self._last: _Trie | None = None  # the last step's candidates, labelled by the next observe
         self.labelled = 0
         # What the scorer learned in earlier runs and other processes: kept beside SSD's store (one
