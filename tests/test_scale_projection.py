@@ -40,3 +40,21 @@ def test_a_cost_file_that_is_no_measured_table_is_a_one_line_error(tmp_path):
         r = run("--model", "random:smollm2-135m:f32:layers=1", "--cost", str(path))
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_row_s_drafter_parameters_reach_its_drafter(tmp_path):
+    """"auto:budget=7:scores=false" is auto with those parameters (a fixed 7, starting from PRIOR);
+    a parameter the drafter does not take is a one-line error, not silently dropped."""
+    flat = CostTable({256: {r: 0.01 for r in (1, 2, 4, 8, 16, 64)}, 1024: {r: 0.01 for r in (1, 2, 4, 8, 16, 64)}})
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({**flat.to_json(), "model": "m", "device": "Device(gpu, 0)", "mlx": "0"}))
+    r = run("--model", "random:smollm2-135m:f32:layers=1", "--cost", str(path), "--rows",
+            "auto:budget=7,auto:budget=7:scores=false", "--max-tokens", "16", str(REC))
+    assert r.returncode == 0, r.stderr
+    rows = {row[3].strip() for row in (line.split("|") for line in r.stdout.splitlines())
+            if row[0] == "" and len(row) > 3 and row[1].strip() == "streams_seed101"}
+    assert rows == {"auto:budget=7", "auto:budget=7:scores=false"}
+    r = run("--model", "random:smollm2-135m:f32:layers=1", "--cost", str(path), "--rows", "auto:nonsense=1",
+            "--max-tokens", "16", str(REC))
+    assert r.returncode != 0 and "nonsense" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

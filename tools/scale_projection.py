@@ -25,6 +25,7 @@ from pathlib import Path
 from cacheback_mlx import recording as R
 from cacheback_mlx.api import Session
 from cacheback_mlx.budget import Sizer
+from cacheback_mlx.cli import parse_drafter_args
 from cacheback_mlx.costs import CostTable, from_json, measure
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.learning import start_request
@@ -36,9 +37,10 @@ import numpy as np
 def project(session: Session, records: list[dict], label: str, cost) -> dict:
     """{"tokens", "passes", "seconds", "plain_seconds"} of one row over the recorded questions."""
     name, *variant = label.split(":")
-    args = dict(v.split("=", 1) for v in variant)
-    budget = int(args.pop("budget")) if "budget" in args else None
+    args = parse_drafter_args(variant)  # e.g. auto:budget=7, auto:scores=false
+    budget = args.pop("budget", None)
     params = {"persist": False} if name in ("auto", "ssd") else {}
+    params.update(args)
     tokens = passes = 0
     seconds = plain = 0.0
     sizer = None if budget is not None else Sizer(cost)  # one per row, as bench's rows keep theirs
