@@ -35,7 +35,7 @@ FROZEN = None  # --frozen: a table in place of the shipped one
 
 DRAFTERS = {
     "auto": lambda b: AutoDrafter(persist=False, frozen=FROZEN),
-    "auto:scores=false": lambda b: AutoDrafter(persist=False, frozen=FROZEN, scores=False),  # from PRIOR, not shipped
+    "auto:scores=true": lambda b: AutoDrafter(persist=False, frozen=FROZEN, scores=True),  # the shipped scores
     "ssd": lambda b: make_drafter("ssd", persist=False),
     "cacheback": lambda b: make_drafter("cacheback", frozen=FROZEN),
     "pld": lambda b: make_drafter("pld", max_draft=b),

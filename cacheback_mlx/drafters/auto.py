@@ -12,10 +12,11 @@ Their candidates are merged into one trie (a token proposed by several sources i
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
 agree, the depth, and the token itself alone and after its parent's), and its path probability is
-the product down from the root. A new drafter starts from the shipped scores
-(`shipped_scores`: learned on the default model's own answers, for its tokenizer), then from what
-the scorer learned here, kept beside SSD's store on disk (`auto-scores.json`, one per tokenizer),
-so a new process starts from it. The tree is built
+the product down from the root. What the scorer learned is kept beside SSD's store on disk
+(`auto-scores.json`, one per tokenizer), so a new process starts from it; a drafter that has
+learned nothing starts from PRIOR, or with `scores=True` from the shipped scores (`shipped_scores`:
+learned on the default model's own answers, for its tokenizer; not the default: docs/BENCHMARKS.md
+§10). The tree is built
 best-first: the most probable node not yet taken is taken next and looked up in the tables, so the
 lookups go where acceptance is likely, and only the children of taken nodes are ever scored. The
 tree sent is the `budget` nodes with the highest path probability, best first, with their scores:
@@ -55,7 +56,7 @@ GAP = -1  # separates learned text from the history in the own-history index (ne
 PAIR_MASK = (1 << 18) - 1
 SCORES_FILE = "auto-scores.json"  # the scorer's weights, kept in SSD's store folder between runs
 # The scorer's weights learned on the default model's own answers (tools/build_default_scores.py):
-# where a drafter starts before it has learned anything on this machine
+# where a drafter may start (scores=True) before it has learned anything on this machine
 SHIPPED_SCORES = Path(__file__).resolve().parents[1] / "data" / "auto_scores_smollm2.json.gz"
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,9 @@ def shipped_scores(fingerprint: str | None = None) -> dict | None:
     """The scorer's weights learned by replaying `auto` over the default model's own answers (the
     shipped datastore's, each with a datastore and a frozen table that leave it out:
     tools/build_default_scores.py), as Scorer.state() gives them; read once per process. None when
-    missing or learned for another tokenizer than `fingerprint`'s. A fresh drafter drafts better
-    from them than from PRIOR (docs/BENCHMARKS.md §4), the default model's and others of its
-    tokenizer alike, until it has learned on its own."""
+    missing or learned for another tokenizer than `fingerprint`'s. A new drafter drafts better
+    from them than from PRIOR until it has learned on its own (docs/BENCHMARKS.md §4, §5), but a
+    server's 8 lanes ran slower from them (§10), so they are used only when asked for (scores=True)."""
     shipped = _shipped_scores()
     if shipped is None or fingerprint not in (None, shipped[1]):
         return None
@@ -296,9 +297,10 @@ class AutoDrafter(Drafter):
         frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder; None = the
         shipped one (the default model's own answers) when the tokenizer is the one it was built
         with; False = none. scores: where the scorer starts (what it kept on disk, when persisted,
-        replaces it): None or True = the shipped scores (shipped_scores) when the tokenizer is the
-        one they were learned with, else PRIOR; False = PRIOR; a path = a scores file of
-        tools/build_default_scores.py's format."""
+        replaces it): None or False = PRIOR; True = the shipped scores (shipped_scores) when the
+        tokenizer is the one they were learned with, else PRIOR; a path = a scores file of
+        tools/build_default_scores.py's format. The shipped scores draft better for a new
+        drafter's first requests but ran slower with 8 requests at once (docs/BENCHMARKS.md §10)."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
         self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
                               capacity=ssd_capacity) if ssd else None
@@ -310,9 +312,9 @@ class AutoDrafter(Drafter):
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
         self.max_expand = max_expand
         self.scorer = Scorer(PRIOR)
-        if scores is None or scores is True:
+        if scores is True:
             start = shipped_scores(fingerprint)
-        elif scores is False:
+        elif scores is None or scores is False:
             start = None
         else:
             try:

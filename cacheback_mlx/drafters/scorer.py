@@ -136,7 +136,7 @@ class KeptScores:
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("auto: cannot read the learned scores %s (%s); starting without them", self.path, e)
+            log.warning("auto: cannot read the learned scores %s (%s); starting from the defaults", self.path, e)
 
     def request_done(self) -> None:
         if self._saved_at is None or time.monotonic() - self._saved_at >= self.every:
