@@ -1,8 +1,9 @@
-"""Rebuild the shipped starting scores of `auto` (cacheback_mlx/data/auto_scores_smollm2.json.gz).
+"""Rebuild the shipped starting scores of `auto` (cacheback_mlx/data/auto_scores_smollm2.json.gz), what
+`auto:scores=true` starts from (not the default: docs/BENCHMARKS.md §10).
 
 `auto` scores every candidate draft token with a logistic model it learns from the model's own
 picks (drafters/scorer.py). A drafter that has learned nothing yet starts from a few hand-set
-weights (auto.PRIOR) and drafts worse for its first requests. This learns the weights instead by
+weights (auto.PRIOR) and drafts worse for its first requests. This learns other weights by
 replaying `auto` over the default model's own greedy answers (the self-corpora of
 tools/build_default_table.py: chat answers, answers to questions, code completions; none of the
 benchmark data in ../shared/data, which is the test set), as a server serves them: one drafter
