@@ -178,3 +178,11 @@ def test_serve_refuses_fewer_than_one_slot_before_loading_anything():
     r = cli("serve", "--slots", "0", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("Error: Invalid value for '--slots'"), r.stderr
+
+
+def test_an_unreadable_scores_file_for_auto(tmp_path):
+    bad = tmp_path / "scores.json.gz"
+    bad.write_bytes(b"not gzip")
+    for path in (bad, tmp_path / "missing.json.gz"):
+        assert_one_line_error(cli("generate", "hi", "--max-tokens", "2", "--drafter-arg", f"scores={path}"),
+                              "cannot read scores", str(path))

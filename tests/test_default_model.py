@@ -131,6 +131,20 @@ def test_drafter_is_lossless_on_the_default_model(name, n, default_model, plain_
         assert eng.stats.passes <= n
 
 
+def test_auto_from_the_shipped_scores_is_lossless_on_the_default_model(default_model, plain_outputs):
+    """auto:scores=true (the scores learned on the model's own answers, for its tokenizer) drafts
+    otherwise, never differently: every token as plain decoding's."""
+    from cacheback_mlx.tokenizer import vocab_fingerprint
+
+    drafter = make_drafter("auto", persist=False, scores=True, fingerprint=vocab_fingerprint(default_model.tokenizer))
+    assert len(drafter.scorer.w) > 10_000  # the shipped scores, for this tokenizer
+    for mode, (ids, truth) in plain_outputs.items():
+        eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=16)
+        out = [t for step in eng.generate(ids, N) for t in step]
+        assert out == truth, mode
+        assert eng.stats.passes < N, mode
+
+
 def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_outputs, drafter_params):
     """The default path: auto, passes sized per step from a cost curve whose 8 rows cost less than
     2-7 (so passes are padded), the uncached tail of a second turn leading the first pass."""
