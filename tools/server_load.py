@@ -12,7 +12,7 @@ server starting from the same state); with `--costs DIR`, each of our servers st
 costs measured into the cache folder DIR (`XDG_CACHE_HOME=DIR cacheback-mlx bench --verify-cost`),
 as a server does that has run on this machine before or been idle a while (a fresh server prices
 passes from a fitted line until it measures its table when idle, which a run of this tool never
-leaves it). `--servers` names ours by drafter, with its parameters if any ("ours auto:scores=false").
+leaves it). `--servers` names ours by drafter, with its parameters if any ("ours auto:scores=true").
 Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
 latency, and whether every answer equals mlx-lm's server's (else ours `none`'s), text for text.
@@ -59,7 +59,7 @@ def launch(kind: str, folder: Path, port: int, parallel: int, cache: str) -> sub
                "--decode-concurrency", "8", "--prompt-concurrency", "8"]
         env.pop("XDG_CACHE_HOME")
     else:
-        drafter, *args = kind.split()[1].split(":")  # "ours auto:scores=false": --drafter-arg scores=false
+        drafter, *args = kind.split()[1].split(":")  # "ours auto:scores=true": --drafter-arg scores=true
         cmd = [EXE, "serve", "--port", str(port), "--drafter", drafter, "--parallel", str(parallel)]
         cmd += [x for arg in args for x in ("--drafter-arg", arg)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
