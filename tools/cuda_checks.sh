@@ -90,6 +90,11 @@ for d in (mx.float16, mx.bfloat16):
     t = time.perf_counter()
     ok = kernels.usable_biased(d)
     print(d, 'biased', 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s', flush=True)
+for d, dim in ((mx.float16, 64), (mx.bfloat16, 64), (mx.float16, 128)):
+    t = time.perf_counter()
+    ok = kernels.usable_sdpa(d, dim)
+    print(d, 'attention rows in one call, head dim', dim, 'on' if ok else 'off', f'{time.perf_counter() - t:.1f} s',
+          flush=True)
 print(kernels.describe())
 "
 }
@@ -106,6 +111,10 @@ slow_passes() {  # the passes of a bench's JSON that stalled (tools/slow_passes.
     [ -f "$OUT/$1.json" ] && "$PY" -m tools.slow_passes "$OUT/$1.json" --top 5 2>&1 | tee "$OUT/$1.slow.log" | tail -n 25
 }
 run_bench_float16() { step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"; slow_passes bench_float16; }
+run_bench_bfloat16() {
+    step bench_bfloat16 "$PY" "${BENCH[@]/float16/bfloat16}" --json "$OUT/bench_bfloat16.json"
+    slow_passes bench_bfloat16
+}
 run_bench_8b_q4() {
     step bench_8b_q4 "$PY" -m cacheback_mlx.cli bench --model "$Q8B" --prompts humaneval --per-category 3 \
         --max-tokens 24 --drafters none,auto --seed 11 --json "$OUT/bench_8b_q4.json"
@@ -141,7 +150,7 @@ run_startup_profile() {
         --humaneval-prompts 0 -n 16 --dtype float16 --drafters none --no-mlx-lm
 }
 
-ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
+ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
      verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off step_time startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
