@@ -254,7 +254,10 @@ def exact_rows(x: mx.array, w: mx.array) -> mx.array | None:
     rows = x.size // x.shape[-1]
     if not 2 <= rows <= rows_matmul.MAX_ROWS or not usable(x.dtype):
         return None
-    out = rows_matmul.rows_matmul(x.reshape(rows, x.shape[-1]), w)
+    x2 = x.reshape(rows, x.shape[-1])
+    # MLX runs a one-row product as its gemv only where K is a multiple of 32 (else cuBLAS's): there
+    # the kernel, elsewhere each row through the step's own call
+    out = rows_matmul.rows_matmul(x2, w) if rows_matmul.gemv_applies(w) else rows_matmul.reference(x2, w)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 

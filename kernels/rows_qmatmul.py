@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .rows_matmul import median_ms
+from .rows_matmul import faster
 
 MAX_ROWS = 64
 WARP, WARPS = 32, 8  # a block's warps
@@ -237,9 +237,9 @@ def check(dtype, bits: int, group_size: int, rows=CHECK_ROWS, shapes=CHECK_SHAPE
     n, k = shapes[-1]
     wq, scales, biases = _layer(n, k, dtype, bits, group_size, seed + 1)
     x = mx.random.normal((16, k), key=mx.random.key(seed)).astype(dtype)
-    fast = median_ms(lambda: rows_qmatmul(x, wq, scales, biases, bits, group_size, layout))
-    slow = median_ms(lambda: reference(x, wq, scales, biases, bits, group_size))
-    if fast >= slow:
+    ok, fast, slow = faster(lambda: rows_qmatmul(x, wq, scales, biases, bits, group_size, layout),
+                            lambda: reference(x, wq, scales, biases, bits, group_size))
+    if not ok:
         return False, f"slower than one row at a time ({fast:.3f} vs {slow:.3f} ms, 16 rows of [{n}, {k}])"
     return True, (f"bits equal to the one-row step; 16 rows of [{n}, {k}] {fast:.3f} ms vs {slow:.3f} ms "
                   f"row by row")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .rows_matmul import median_ms
+from .rows_matmul import faster
 
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -211,8 +211,8 @@ def check(dtype, head_dim: int, seed: int = 0) -> tuple[bool, str]:
         want = reference(q, k, v, km, n, head_dim**-0.5)
         if not mx.array_equal(got.view(mx.uint8), want.view(mx.uint8)).item():
             return False, f"rows over {cached} cached keys ({heads}/{kv_heads} heads) differ from the step's bits"
-    fast = median_ms(lambda: rows_sdpa(q, k, v, km, n, head_dim**-0.5))
-    slow = median_ms(lambda: reference(q, k, v, km, n, head_dim**-0.5))
-    if fast >= slow:
+    ok, fast, slow = faster(lambda: rows_sdpa(q, k, v, km, n, head_dim**-0.5),
+                            lambda: reference(q, k, v, km, n, head_dim**-0.5))
+    if not ok:
         return False, f"slower than a call per row ({fast:.3f} vs {slow:.3f} ms, {R} rows)"
     return True, f"bits equal to the step's; {R} rows in {fast:.3f} ms vs {slow:.3f} ms a call per row"

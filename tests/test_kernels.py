@@ -204,6 +204,43 @@ def test_rows_attention_declines_what_it_cannot_split():
     assert rows_attention.visible_rows(mx.array(seen), TreeCache(np.ones((3, 3), bool)), 4) is None
 
 
+def test_rows_of_a_product_mlx_runs_without_its_gemv_go_through_the_step_s_own_call(monkeypatch):
+    """MLX's one-row product is its gemv only where K is a multiple of 32 (cuBLAS's elsewhere, whose
+    bits the kernel does not give: tiny layers of 16 columns differed on an H200)."""
+    monkeypatch.setattr(kernels, "usable", lambda dtype: True)
+    calls = []
+    monkeypatch.setattr(rows_matmul, "rows_matmul", lambda x, w: calls.append(w.shape) or x @ w.T)
+    x16, w16 = mx.random.normal((1, 3, 16)), mx.random.normal((8, 16))
+    x32, w32 = mx.random.normal((1, 3, 32)), mx.random.normal((8, 32))
+    with kernels.rows_pass():
+        got = kernels.exact_rows(x16, w16)
+        assert calls == []
+        assert mx.array_equal(got, mx.concatenate([x16[:, i : i + 1] @ w16.T for i in range(3)], axis=1)).item()
+        kernels.exact_rows(x32, w32)
+    assert calls == [(8, 32)]
+    assert all(rows_matmul.gemv_applies(mx.zeros((1, k))) for _, k in rows_matmul.CHECK_SHAPES)
+
+
+def test_timing_a_kernel_against_its_reference_measures_again_before_calling_it_slower():
+    import time
+
+    calls = {"fast": 0}
+
+    def fast():  # slower than `slow` for its first 4 calls (a warm-up and a first round of 3)
+        calls["fast"] += 1
+        time.sleep(0.004 if calls["fast"] <= 4 else 0.0)
+        return mx.array(0)
+
+    def slow():
+        time.sleep(0.002)
+        return mx.array(0)
+
+    ok, f, s = rows_matmul.faster(fast, slow, repeats=3, tries=2)
+    assert ok and f < s and calls["fast"] == 7
+    ok, f, s = rows_matmul.faster(slow, lambda: mx.array(0), repeats=3, tries=2)
+    assert not ok and f > s
+
+
 def test_reference_is_one_matmul_per_row():
     x, w = mx.random.normal((5, 24)), mx.random.normal((7, 24))
     assert mx.allclose(rows_matmul.reference(x, w), x @ w.T, atol=1e-5).item()
