@@ -41,7 +41,7 @@ from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix
-from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass
+from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass, warm_up
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -234,6 +234,9 @@ class Engine:
         self.set_sizer(sizer, draft_budget)
         self.max_branching = 1 if self.chain_reason else None  # what drafters are told
         self.vocab_size = model_vocab_size(model)
+        if kernels.on_cuda() and peers is None:  # MLX compiles its gathers and scatters at first use there
+            warm_up(model, self.buckets, tree_ok=self.chain_reason is None, vocab=min(32, self.vocab_size),
+                    cached=tuple(c for c in (8, 300) if c + 8 < context_length))
         self.slots = Slots(1 if peers is not None else slots, self.seq, slot_bytes)
         self.stats = Stats()
         self.watchers: list = []  # called with each PassEvent (watch)
@@ -562,5 +565,13 @@ class Engine:
             finally:
                 if ahead is not None:  # a step started past the last token (EOS, or the caller stopped)
                     self._finish([], False)
+                # the cache keeps what plain decoding fed (the prompt and every token out but the last;
+                # all of them before an EOS), whatever was drafted past it: a next turn then prefills
+                # the same tokens in the same chunks with any drafter, as the bits of half precision on
+                # a GPU need (a product's bits depend on its rows)
+                fed = len(prompt) + stats.tokens - (stats.stop_token is None)
+                if len(seq.cached) > fed and not seq.cache.recurrent:
+                    del seq.cached[fed:]
+                    self._trim(fed)
                 stats.decode_s = time.perf_counter() - t_start
                 self.drafter.end_request()

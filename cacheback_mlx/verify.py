@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -68,7 +69,9 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
         tree_pass.set(mx.array(rel), mx.array(in_pass), host=in_pass)
     cache.begin_pass()
     try:
-        with activations.engine_pass(), kernels.rows_pass(real=n):
+        # a pass of one row is a plain step: no kernel takes it, and asking in every layer cost 7% of
+        # building a step's graph (the default model, measured on a CPU with the kernels' layers in)
+        with activations.engine_pass(), kernels.rows_pass(real=n) if rows > 1 else nullcontext():
             logits = model(mx.array(tokens)[None], cache=cache.layers)
     finally:
         tree_pass.clear()
@@ -82,7 +85,7 @@ def step_pass(model, cache: ModelCache, token: mx.array) -> mx.array:
     steps run ahead, as mlx-lm's loop does). Returns logits [1, vocab]; the caller keeps or drops
     its row with ModelCache.finish_pass."""
     cache.begin_pass()
-    with activations.engine_pass(), kernels.rows_pass(real=1):
+    with activations.engine_pass():  # one row: no kernel takes it (verify_pass)
         logits = model(token.astype(mx.int32).reshape(1, 1), cache=cache.layers)
     return logits[0, -1:]
 
@@ -125,3 +128,26 @@ def prefill(model, cache: ModelCache, tokens: list[int], chunk=PREFILL_CHUNK, ti
         if timed is not None:
             timed(len(part), cached, time.perf_counter() - t0)
     return len(tokens)
+
+
+def warm_up(model, buckets: tuple[int, ...] | None = None, tree_ok: bool = True, vocab: int = 32,
+            cached: tuple[int, ...] = (8, 300)) -> None:
+    """Run once, on caches of its own, what decoding runs, so that a backend that compiles kernels
+    at their first use does it here rather than in the middle of a reply. MLX's CUDA backend
+    compiles its gathers and scatters per dtype with NVRTC (seconds each on a machine that never
+    ran them, kept on disk after): a bench on an H200 stalled 4-7 s in one pass of `auto` where a
+    pass first kept tree rows that were not its first ones (the caches move them into place).
+    At each length of `cached`: a pass over a branching tree (a chain where `tree_ok` is False:
+    recurrent layers, position code a tree cannot run) keeping a path off its first branch, then
+    a plain step; past 256 cached keys a step's attention and a pass's rows take other kernels."""
+    cache = ModelCache(model)
+    tree = DraftTree([1, 2, 3], [-1, -1, 1]) if tree_ok else DraftTree.chain([1, 2, 3])
+    keep = [0, 2, 3] if tree_ok else [0, 1, 2, 3]  # the root, then node 1 and its child: rows moved
+    for length in cached:
+        prefill(model, cache, [(100 + i) % vocab for i in range(cache.length, length - 1)])
+        mx.eval(verify_pass(model, cache, [5], tree, buckets))
+        cache.finish_pass(keep, whole=not tree_ok)
+        mx.eval(cache.arrays())
+        mx.eval(step_pass(model, cache, mx.array([4])))
+        cache.finish_pass([0], whole=True)
+        mx.eval(cache.arrays())

@@ -119,6 +119,53 @@ def test_prefix_reuse_across_calls(tiny_model):
     assert second == [t for s in fresh.generate(turn2, 8) for t in s]
 
 
+def test_a_reply_leaves_the_cache_as_plain_decoding_does_whatever_was_drafted(tiny_model):
+    """Drafts accepted past the token limit or an EOS are not kept: the next turn prefills the same
+    tokens with any drafter (in half precision on a GPU a prefill's bits depend on its rows)."""
+    truth, _ = run(tiny_model, NoDrafter(), n=20)
+    for eos_ids, n in (([], 7), ([], 12), ([truth[6]], 20)):
+        engines = [Engine(tiny_model, eos_ids=eos_ids, drafter=d, context_length=4096)
+                   for d in (NoDrafter(), OracleDrafter(PROMPT, truth))]
+        outs = [[t for s in eng.generate(PROMPT, n) for t in s] for eng in engines]
+        assert outs[0] == outs[1]
+        plain, drafted = engines
+        assert drafted.stats.passes < plain.stats.passes  # the drafts were accepted, past the end too
+        fed = len(PROMPT) + len(outs[0]) - (not eos_ids)
+        assert plain.seq.cached == drafted.seq.cached == (PROMPT + outs[0])[:fed]
+        assert plain.seq.cache.length == drafted.seq.cache.length == fed
+        turn2 = PROMPT + outs[0] + [4, 5, 6]
+        seconds = [[t for s in eng.generate(turn2, 8) for t in s] for eng in engines]
+        assert seconds[0] == seconds[1] and plain.stats.prefill_tokens == drafted.stats.prefill_tokens
+
+
+def test_warm_up_runs_decoding_s_operations_on_caches_of_its_own(tiny_model, monkeypatch):
+    """On CUDA an engine runs a tree pass whose kept rows are moved, below and past 256 cached
+    keys, before its first request (MLX compiles gathers and scatters at first use there)."""
+    from cacheback_mlx import engine as engine_mod
+    from cacheback_mlx import kernels, verify
+    from cacheback_mlx.kvcache import TreeKVCache
+
+    moved, passes = [], []
+    move_rows, verify_pass_ = TreeKVCache.move_rows, verify.verify_pass
+    monkeypatch.setattr(TreeKVCache, "move_rows", lambda self, s, d: (moved.append(s.tolist()), move_rows(self, s, d)))
+    monkeypatch.setattr(verify, "verify_pass", lambda model, cache, lead, tree, *a: (
+        passes.append((cache.length, tree.is_chain())), verify_pass_(model, cache, lead, tree, *a))[1])
+    verify.warm_up(tiny_model)
+    assert [c for c, _ in passes] == [7, 299] and not any(chain for _, chain in passes)
+    assert moved and all(m == [m[0], m[0] + 2, m[0] + 3] for m in moved)  # the path off the first branch
+    moved.clear(), passes.clear()
+    verify.warm_up(tiny_model, tree_ok=False)
+    assert not moved and all(chain for _, chain in passes)
+    calls = []
+    monkeypatch.setattr(engine_mod, "warm_up", lambda *a, **kw: calls.append(kw))
+    Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert calls == []  # not on the CPU
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    monkeypatch.setattr(kernels, "enabled", False)
+    eng = Engine(tiny_model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    assert calls and calls[0]["cached"] == (8, 300) and eng.seq.cache.length == 0
+
+
 def test_eos_and_max_tokens(tiny_model):
     truth, _ = run(tiny_model, NoDrafter(), n=20)
     eos = truth[6]

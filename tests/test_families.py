@@ -10,7 +10,7 @@ from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.kvcache import WindowKVCache
 from cacheback_mlx.sampling import SamplingParams
 from cacheback_mlx.tree import DraftTree
-from cacheback_mlx.verify import verify_pass
+from cacheback_mlx.verify import verify_pass, warm_up
 
 import mlx.core as mx
 import numpy as np
@@ -525,3 +525,13 @@ def test_plain_steps_run_ahead_and_stay_exact(family):
         eng = eager(Intermittent(PROMPT, truth), on=on)
         texts.append([t for step in eng.generate(PROMPT, N, sampling) for t in step])
     assert texts[0] == texts[1], name
+
+
+def test_the_warm_up_a_cuda_engine_runs_first_runs_on_every_family(family):
+    """verify.warm_up (run by an engine on CUDA before its first request) on each family's caches:
+    trees where the engine runs trees, chains elsewhere; the engine's output stays mlx-lm's."""
+    name, model = family
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)
+    warm_up(model, eng.buckets, tree_ok=eng.chain_reason is None, vocab=min(32, eng.vocab_size))
+    out, _ = run(model, RandomTreeDrafter(PROMPT, reference(model, PROMPT, 8), seed=5), n=8, engine=eng)
+    assert out == reference(model, PROMPT, 8), name
