@@ -54,6 +54,26 @@ def test_a_drafter_whose_output_differs_is_reported():
     assert bad == ["ngram differs from none on h1 at token 1"]
 
 
+def test_a_difference_says_in_which_turn_it_began():
+    def two_turns(drafter, second):
+        r = B.Run("c1", "multi-turn conversation", drafter)
+        r.add([1, 2, 3], 1.0)
+        r.add(second, 1.0)
+        return r
+
+    runs_ = [two_turns("none", [4, 5]), two_turns("mlx-lm", [4, 6]), two_turns("auto", [4, 5])]
+    first = B.Run("c2", "qa", "none")
+    first.add([1, 2], 1.0)
+    other = B.Run("c2", "qa", "mlx-lm")
+    other.add([1, 3], 1.0)
+    assert B.mismatches(runs_ + [first, other]) == ["mlx-lm differs from none on c1 at token 4 (turn 2 of 2)",
+                                                    "mlx-lm differs from none on c2 at token 1"]
+    runs_[1].tokens[1] = 9
+    assert B.mismatches(runs_) == ["mlx-lm differs from none on c1 at token 1 (turn 1 of 2)"]
+    runs_[1].tokens[1:] = [2, 3, 4, 5, 7]  # longer than the reference: where it ends
+    assert B.mismatches(runs_) == ["mlx-lm differs from none on c1 at token 5 (turn 2 of 2)"]
+
+
 def test_json_output(tmp_path):
     r = runs()
     B.save_json(r, B.summarize(r), tmp_path / "b.json", {"machine": "test"})
@@ -67,7 +87,7 @@ def test_json_output(tmp_path):
     assert "[8, 7, 6, 1e-05]" in text and json.loads(text)["runs"][0]["pass_log"][1] == [8, 7, 6, 1e-05]
 
 
-def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
+def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path, monkeypatch):
     from cacheback_mlx.api import Session
 
     from conftest import write_tiny_gguf
@@ -79,6 +99,16 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path):
     drafters = {n: session.make_drafter(n) for n in ("none", "ngram", "cacheback")}
     out = B.run_bench(session, prompts, drafters, max_tokens=12, warmup=0, progress=False)
     assert len(out) == 3 * 4 and not B.mismatches(out)
+    warmed = []
+    run_mlx_lm = B.run_mlx_lm
+    monkeypatch.setattr(B, "run_mlx_lm", lambda s, p, n: (warmed.append(p.id), run_mlx_lm(s, p, n))[1])
+    # on a GPU every prompt first runs once untimed (not on the CPU unless asked)
+    again = B.run_bench(session, prompts[:2], {"none": drafters["none"]}, max_tokens=4, warmup=0, progress=False,
+                        warm_every_prompt=True)
+    assert warmed == ["a", "b", "a", "b"] and len(again) == 4
+    warmed.clear()
+    B.run_bench(session, prompts[:1], {"none": drafters["none"]}, max_tokens=4, warmup=0, progress=False)
+    assert warmed == ["a"]
     assert {r.drafter for r in out} == {"none", "ngram", "cacheback", "mlx-lm"}
     assert all(r.tokens for r in out if r.drafter == "none")
     assert all(0 < r.verify_s < r.seconds for r in out if r.drafter != "mlx-lm")
