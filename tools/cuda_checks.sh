@@ -23,7 +23,9 @@
 #      logits lie from one-token steps' in float16;
 #   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
-#   9. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time);
+#   9. a step and passes of 2 and 8 rows with each layer's q/k/v and gate/up projections as one product
+#      (tools.ab.fused_proj: fewer launches; bits and time);
+#  10. where a short `none` bench's time goes before its first prompt (cProfile, by cumulative time);
 #   then the pass-cost tables the runs measured are copied to OUT/verify_cost (for
 #   `tools.scale_projection --cost FILE`: projections from them here, on recordings not run there).
 #
@@ -145,13 +147,14 @@ run_step_time() {
     step step_time "$PY" -m tools.ab.step_time --dtype float16 --cached 256 --rows 1,2,8,16,64 --repeats 8 \
         --steps 128 --rounds 4
 }
+run_fused_proj() { step fused_proj "$PY" -m tools.ab.fused_proj --dtype float16 --rows 1,2,8 --cached 256; }
 run_startup_profile() {
     step startup_profile "$PY" -m cProfile -s cumtime -m cacheback_mlx.cli bench --per-category 1 \
         --humaneval-prompts 0 -n 16 --dtype float16 --drafters none --no-mlx-lm
 }
 
 ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
-     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off step_time startup_profile"
+     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off step_time fused_proj startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
         echo "unknown step: $name (known: $(echo $ALL))" >&2

@@ -8,7 +8,8 @@ of several rows gives against one-row decoding steps, kernels on and off.
    through MLX's matmul (cuBLAS past one row) and through the kernel, and how many of the R rows
    have the one-row step's bits (`x[i:i+1] @ w.T`, MLX's gemv).
 2. Per dtype: a prompt prefilled, then T tokens fed one at a time (plain decoding) vs the same T
-   tokens in one pass: rows whose logits have equal bits, the largest difference, equal argmax.
+   tokens in one pass: rows whose logits have equal bits, the largest difference, equal argmax;
+   where a chain's rows differ, the first layer whose keys or values for them differ.
    --long-prompt N adds a prompt of ~N tokens: past 256 keys MLX gives a one-row step cuDNN's
    attention when its keys are a slice of a cache buffer whose length is a multiple of 256 (its
    `use_cudnn_for_decoding`), and its own vector kernel otherwise, so a tree row's gathered keys
@@ -159,6 +160,21 @@ def _equal_rows(mx, one, many):
     return equal, mx.abs(one - many).max().item(), argmax
 
 
+def first_differing_layer(mx, steps, cache, cached: int, rows: int, label: str) -> None:
+    """Where a pass's rows part from the steps': the first layer whose keys or values for the
+    pass's positions (written by the pass, and by one step each) differ, and in which rows; the
+    keys of a layer follow from the layer below's output, so a difference starting there with
+    equal keys below lies in that layer's attention or feed-forward of the layer before."""
+    for i, (a, b) in enumerate(zip(steps, cache)):
+        for what, x, y in (("keys", a.keys, b.keys), ("values", a.values, b.values)):
+            x, y = x[..., cached : cached + rows, :], y[..., cached : cached + rows, :]
+            if not mx.array_equal(x, y).item():
+                differ = mx.any(x != y, axis=(0, 1, 3)).tolist()
+                print(f"  ({label}: layer {i}'s {what} differ first, rows {[r for r, d in enumerate(differ) if d]})")
+                return
+    print(f"  ({label}: every layer's keys and values equal: the last layer's attention, feed-forward or head)")
+
+
 def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS):
     """A chain pass (mlx-lm's caches) and a tree pass (the engine's verify_pass) against one-row
     steps, with the kernels off, the matmul on, and the matmul and row-by-row attention on."""
@@ -196,6 +212,8 @@ def pass_rows(mx, kernels, lm_name, dtypes, chain_len: int = 8, prompts=PROMPTS)
                     mx.eval(many)
                 e, d, a = _equal_rows(mx, one, many)
                 print(f"| {dtype} | {name} | chain | {p} | {e}/{chain_len} | {d:.3g} | {a}/{chain_len} |", flush=True)
+                if e < chain_len:
+                    first_differing_layer(mx, steps, cache, len(ids), chain_len, f"{name}, chain, prompt {p}")
                 # a tree: the root (the prompt's last token) and 7 nodes on 3 branches
                 ours = ModelCache(model)
                 prefill(model, ours, ids[:-1])
