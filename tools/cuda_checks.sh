@@ -21,7 +21,8 @@
 #   6. `doctor --model default --rounding` (and the 4-bit model; and with the kernels off): the
 #      backend, the kernels, the prompt layout, which dtypes are exact, and how far a chain pass's
 #      logits lie from one-token steps' in float16;
-#   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0);
+#   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0), and with plain steps running
+#      ahead (CACHEBACK_MLX_RUN_AHEAD=1; off by default on CUDA until such a bench shows it pays);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
 #   9. a step and passes of 2 and 8 rows with each layer's q/k/v and gate/up projections as one product
 #      (tools.ab.fused_proj: fewer launches; bits and time);
@@ -138,6 +139,10 @@ run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"
 run_doctor_kernels_off() {
     step doctor_kernels_off env CACHEBACK_MLX_KERNELS=0 "$PY" -m cacheback_mlx.cli doctor --model default --rounding
 }
+run_bench_float16_run_ahead() {  # plain steps run ahead (off by default on CUDA): the A/B that decides it
+    CACHEBACK_MLX_RUN_AHEAD=1 step bench_float16_run_ahead "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_run_ahead.json"
+    slow_passes bench_float16_run_ahead
+}
 run_bench_float16_kernels_off() {
     CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" \
         --json "$OUT/bench_float16_kernels_off.json"
@@ -154,7 +159,7 @@ run_startup_profile() {
 }
 
 ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
-     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off step_time fused_proj startup_profile"
+     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off bench_float16_run_ahead step_time fused_proj startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
         echo "unknown step: $name (known: $(echo $ALL))" >&2
