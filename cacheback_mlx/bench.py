@@ -247,9 +247,15 @@ def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
     return out
 
 
-LATER_TURNS = ("a later turn: mlx-lm's stream_generate prefills the whole conversation again, where the engine "
-               "reuses its cache; in half precision on a GPU a prefill's bits depend on its rows, so near ties "
-               "may go either way there")
+def later_turn_note(differences: list[str]) -> str | None:
+    """A line for where mlx-lm's tokens part from the engine's after a conversation's first turn
+    (mismatches' lines): there mlx-lm's stream_generate prefills the whole conversation again,
+    while the engine reuses its cache."""
+    if not any(MLX_LM in m and "(turn " in m and "(turn 1 " not in m for m in differences):
+        return None
+    return ("note: where mlx-lm differs in a later turn, mlx-lm's stream_generate prefilled the whole conversation "
+            "again where the engine reused its cache; in half precision on a GPU a prefill's bits depend on its "
+            "rows, so near ties may go either way there")
 
 
 def summarize(runs: list[Run]) -> dict[str, dict[str, dict]]:

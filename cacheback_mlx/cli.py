@@ -409,8 +409,9 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     if bad:
         for m in bad:
             click.echo(f"LOSSLESS CHECK FAILED: {m}", err=True)
-        if any(B.MLX_LM in m and "(turn 1 " not in m and "(turn" in m for m in bad + mlx_diff):
-            click.echo(f"note: where mlx-lm differs in {B.LATER_TURNS}", err=True)
+        note = B.later_turn_note(bad + mlx_diff)
+        if note:
+            click.echo(note, err=True)
         sys.exit(1)
 
 

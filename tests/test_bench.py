@@ -72,6 +72,10 @@ def test_a_difference_says_in_which_turn_it_began():
     assert B.mismatches(runs_) == ["mlx-lm differs from none on c1 at token 1 (turn 1 of 2)"]
     runs_[1].tokens[1:] = [2, 3, 4, 5, 7]  # longer than the reference: where it ends
     assert B.mismatches(runs_) == ["mlx-lm differs from none on c1 at token 5 (turn 2 of 2)"]
+    assert "prefilled the whole conversation again" in B.later_turn_note(B.mismatches(runs_))
+    assert B.later_turn_note(["mlx-lm differs from none on c1 at token 1 (turn 1 of 2)",
+                              "auto differs from none on c1 at token 4 (turn 2 of 2)",
+                              "mlx-lm differs from none on c2 at token 1"]) is None
 
 
 def test_json_output(tmp_path):
