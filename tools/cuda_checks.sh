@@ -5,15 +5,16 @@
 # hangs does not take the others with it, most wanted first, and no step started past a total budget:
 #   1. the exact-rows kernels' first-use checks, timed (MLX compiles their builds in every process:
 #      this is what each process pays before its first pass): plain per dtype, quantized per
-#      dtype and bits (groups of 64), biased layers row by row; then tests/test_kernels.py, whose
+#      dtype and bits (groups of 64), biased layers row by row, the attention rows in one call per
+#      dtype and head dim; then tests/test_kernels.py, whose
 #      CUDA tests compare tree passes with one-row steps bit for bit (needs pytest);
 #   2. whole passes against one-row steps, bit for bit, on short prompts and a 300-token one, with
 #      the kernels off and on (the attention rows a call each and in one rows_sdpa call), tree rows'
 #      keys laid out as a cache slice, and what a pass costs by rows each way (tools.ab.gpu_rows);
 #   3. the same on a 4-bit model (random:llama-3.2-1b:q4, 4 layers), after the quantized matmul
 #      by rows at an 8B model's shapes, 4 and 8 bits, MLX's against the kernel's;
-#   4. `bench` in float16 (the GPU default), `none` and `auto` against mlx-lm: `none` should give
-#      mlx-lm's tokens on every prompt, `auto` `none`'s;
+#   4. `bench` in float16 (the GPU default) and in bfloat16, `none` and `auto` against mlx-lm: `none`
+#      should give mlx-lm's tokens on every prompt, `auto` `none`'s;
 #   5. `bench` on a Llama-3.1-8B-shaped 4-bit model (random weights: nothing accepted; outputs
 #      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
 #      default model's acceptance (--forced along tools/data/streams_seed101, 64 tokens a turn: a
