@@ -69,8 +69,8 @@ def verify_pass(model, cache: ModelCache, lead: list[int], tree: DraftTree,
         tree_pass.set(mx.array(rel), mx.array(in_pass), host=in_pass)
     cache.begin_pass()
     try:
-        # a pass of one row is a plain step: no kernel takes it, and asking in every layer cost 7% of
-        # building a step's graph (the default model, measured on a CPU with the kernels' layers in)
+        # a pass of one row is a plain step: no kernel takes it, and asking in every layer cost 3-7% of
+        # building a step's graph (the default model on a CPU, the kernels' layers in: tools.ab.step_build)
         with activations.engine_pass(), kernels.rows_pass(real=n) if rows > 1 else nullcontext():
             logits = model(mx.array(tokens)[None], cache=cache.layers)
     finally:

@@ -38,3 +38,13 @@ def test_server_load_starts_servers_with_the_costs_it_is_given_and_refuses_a_fol
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode != 0 and "no measured pass costs" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_step_build_tool_times_the_three_steps(capsys):
+    from tools.ab import step_build
+
+    with pytest.raises(SystemExit) as done:
+        step_build.main(["--cached", "16", "--rounds", "2"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert all(row in out for row in ("| mlx-lm's step |", "in the kernels' pass context |", "outside it |"))
