@@ -297,3 +297,21 @@ def test_a_prompt_kept_out_of_the_first_pass_is_lossless_on_the_default_model(de
         leads.clear()
         assert [t for step in eng.generate(ids, N // 2) for t in step] == truth[: N // 2], mode
         assert leads[0] == 1, (mode, leads[:3])
+
+
+def test_a_second_turn_after_drafts_past_the_token_limit_is_lossless_on_the_default_model(default_model,
+                                                                                          plain_outputs):
+    """A reply cut by its token limit in the middle of accepted drafts leaves the cache as plain
+    decoding does: the next turn prefills the same tokens and gives plain decoding's tokens."""
+    ids, truth = plain_outputs["raw"]
+    engines = [Engine(default_model.model, [], make_drafter(name, **kw), default_model.context_length)
+               for name, kw in (("none", {}), ("auto", {"persist": False}))]
+    for n in (21, 37):
+        outs = [[t for s in eng.generate(ids, n) for t in s] for eng in engines]
+        assert outs[0] == outs[1] == truth[:n] and engines[1].stats.passes < n  # auto's drafts were accepted
+        assert engines[0].seq.cached == engines[1].seq.cached == (ids + truth)[: len(ids) + n - 1]
+        turn = ids + truth[:n] + truth[n : n + 3]
+        want = [int(t) for t, _ in generate_step(mx.array(turn), default_model.model, max_tokens=12)]
+        seconds = [[t for s in eng.generate(turn, 12) for t in s] for eng in engines]
+        assert seconds[0] == seconds[1] == want
+        assert engines[0].stats.prefill_tokens == engines[1].stats.prefill_tokens
