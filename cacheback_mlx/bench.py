@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .api import Session
+from .engine import on_gpu
 from .errors import CachebackError
 
 DATA = Path(__file__).resolve().parent / "data" / "bench"  # Spec-Bench and HumanEval, shipped with their licences
@@ -209,8 +210,6 @@ def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_token
     prompt's prefill, for each cache length a step reads, kernels compiled at first use: 0.3-0.5 s
     each on an H200), and whichever row met a shape first paid it in its time."""
     from tqdm import tqdm
-
-    from .engine import on_gpu
 
     names = list(drafters) + ([MLX_LM] if with_mlx_lm else [])
     for p in WARMUP[:warmup]:

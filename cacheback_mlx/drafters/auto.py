@@ -70,12 +70,15 @@ PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("s
 
 def read_scores(path: str | Path) -> tuple[dict, str]:
     """A scores file as tools/build_default_scores.py writes it (gzipped JSON: {"fingerprint": the
-    tokenizer's, "scores": Scorer.state()}): (the scorer's state, the fingerprint). OSError or
-    ValueError (KeyError, TypeError) when it is not one."""
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        saved = json.load(f)
-    Scorer().load_state(saved["scores"])  # raises on anything but a scorer's state
-    return saved["scores"], str(saved["fingerprint"])
+    tokenizer's, "scores": Scorer.state()}): (the scorer's state, the fingerprint). OSError when it
+    cannot be read, ValueError when it is not such a file."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            saved = json.load(f)
+        Scorer().load_state(saved["scores"])  # raises on anything but a scorer's state
+        return saved["scores"], str(saved["fingerprint"])
+    except (KeyError, TypeError, EOFError) as e:  # (a bad gzip or JSON is a ValueError or OSError already)
+        raise ValueError(f"not a scores file: {type(e).__name__}: {e}") from None
 
 
 @lru_cache(maxsize=1)
@@ -84,7 +87,7 @@ def _shipped_scores() -> tuple[dict, str] | None:
         return None
     try:
         return read_scores(SHIPPED_SCORES)
-    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+    except (OSError, ValueError) as e:
         log.warning("the shipped scores %s are unreadable (%s: %s); starting from the defaults",
                     SHIPPED_SCORES, type(e).__name__, e)
         return None
@@ -319,7 +322,7 @@ class AutoDrafter(Drafter):
         else:
             try:
                 start = read_scores(scores)[0]
-            except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+            except (OSError, ValueError) as e:
                 raise CachebackError(f"auto: cannot read scores {scores}: {type(e).__name__}: {e}") from None
         if start is not None:
             self.scorer.load_state(start)
