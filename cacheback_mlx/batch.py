@@ -387,6 +387,7 @@ class Batch:
         produced = accepted[:eos][: lane.max_tokens - len(lane.tokens)]
         seq.history.extend(produced)
         lane.drafter.observe(produced)
+        lane.drafter.recycle(tree.picked(lead[-1], picks))
         lane.tokens.extend(produced)
         stats.tokens = len(lane.tokens)
         stats.accepted += len(produced) + (eos is not None and len(produced) == eos)

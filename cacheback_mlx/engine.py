@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from . import cores, kernels
 from .budget import Sizer
@@ -40,7 +39,7 @@ from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
 from .sampling import SamplingParams, token_picker
 from .slots import SLOT_BYTES, Sequence, Slots
-from .tree import DraftTree, common_prefix
+from .tree import DraftTree, common_prefix, forced_picks
 from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass, warm_up
 
 GPU_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -142,25 +141,6 @@ def accept(tree: DraftTree, picks: list[int]) -> tuple[list[int], int]:
         path.append(nxt)
         node = nxt
         want = picks[nxt + 1]
-
-
-def forced_picks(tree: DraftTree, continuation: Seq[int]) -> list[int]:
-    """The picks a model would make if its greedy stream were `continuation` (a recorded one):
-    row 0 (the root) picks continuation[0]; a node whose root path follows the continuation picks
-    the token after it; any other node picks -1 (no token), so `accept` follows the recording.
-    How a model with random weights is run at the acceptance of a real one (`generate(forced=)`).
-    The tree must be shallower than the continuation (the engine drafts at most the tokens left
-    but one), so an accepted path always has a recorded token after it."""
-    depth = tree.depths()
-    if len(tree) and int(depth.max()) >= len(continuation):
-        raise ValueError("a forced pass's tree must be shallower than the recorded tokens left")
-    picks = [int(continuation[0])]
-    on = np.zeros(len(tree), bool)
-    for i, p in enumerate(tree.parents.tolist()):
-        d = int(depth[i])
-        on[i] = (p < 0 or on[p]) and int(tree.tokens[i]) == continuation[d - 1]
-        picks.append(int(continuation[d]) if on[i] else -1)
-    return picks
 
 
 def model_vocab_size(model) -> int:
@@ -552,6 +532,7 @@ class Engine:
                     t0 = time.perf_counter()
                     seq.history.extend(out)
                     self.drafter.observe(out)
+                    self.drafter.recycle(tree.picked(lead[-1], picks))  # every row's pick, accepted or not
                     stats.draft_s += time.perf_counter() - t0
                     stats.tokens += len(out)
                     stats.accepted += len(out) + (eos is not None and len(out) == eos)

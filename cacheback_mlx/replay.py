@@ -3,6 +3,9 @@
 Greedy verification is deterministic, so on a stream the model is known to produce, a step accepts
 the longest root path of the draft tree that matches the stream, plus one bonus token. This is the
 engine's accept rule (engine.accept) run against a recording; drafter tests and tuning use it.
+What the model picked at the rows of drafts it rejected is not in a recording, so a drafter
+learns only the picks along the stream (Drafter.recycle), as in a forced run (tree.forced_picks);
+live, it learns every row's, and drafts somewhat better than here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .drafters.base import Drafter
-from .tree import DraftTree
+from .tree import DraftTree, forced_picks
 
 SHARED_STREAMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2_greedy"
 
@@ -95,11 +98,13 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
             accepted.append(int(output[pos + len(accepted)]))  # the bonus token
         if sizer is not None:
             sizer.update(tree, path, accepted)
+        picks = tree.picked(history[-1], forced_picks(tree, output[pos:]))  # the rows off the stream: unknown
         history.extend(accepted)
         pos += len(accepted)
         steps += 1
         t0 = time.perf_counter()
         drafter.observe(accepted)
+        drafter.recycle(picks)
         draft_s += time.perf_counter() - t0
     return ReplayResult(pos, steps, draft_s, max_tree, pass_s)
 

@@ -105,11 +105,37 @@ class DraftTree:
         chain = DraftTree.chain(path)
         return chain if self.scores is None else DraftTree(chain.tokens, chain.parents, scores)
 
+    def picked(self, root: int, picks: Sequence[int]) -> list[tuple[int, int]]:
+        """(a row's token, the model's pick after it) for every row of a pass over this tree, its
+        drafts accepted or not: the root's row (`root`, the token the pass's picks start after)
+        and each node's. A pick below 0 (a forced run's row off the recording) is left out."""
+        return [(t, p) for t, p in zip([int(root)] + self.tokens.tolist(), [int(p) for p in picks]) if p >= 0]
+
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (still a valid tree, as parents precede children)."""
         if n >= len(self):
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], None if self.scores is None else self.scores[:n])
+
+
+def forced_picks(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+    """The picks a model would make if its greedy stream were `continuation` (a recorded one):
+    row 0 (the root) picks continuation[0]; a node whose root path follows the continuation picks
+    the token after it; any other node picks -1 (no token), so `accept` follows the recording.
+    How a model with random weights is run at the acceptance of a real one (`generate(forced=)`),
+    and what a replay (replay.py) knows of a pass's picks. The tree must be shallower than the
+    continuation (the engine drafts at most the tokens left but one), so an accepted path always
+    has a recorded token after it."""
+    depth = tree.depths()
+    if len(tree) and int(depth.max()) >= len(continuation):
+        raise ValueError("a forced pass's tree must be shallower than the recorded tokens left")
+    picks = [int(continuation[0])]
+    on = np.zeros(len(tree), bool)
+    for i, p in enumerate(tree.parents.tolist()):
+        d = int(depth[i])
+        on[i] = (p < 0 or on[p]) and int(tree.tokens[i]) == continuation[d - 1]
+        picks.append(int(continuation[d]) if on[i] else -1)
+    return picks
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

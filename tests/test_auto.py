@@ -807,6 +807,29 @@ def test_auto_drafts_from_learned_text_without_crossing_into_it():
     assert -1 not in d.propose([1, 2, 3, 4, 7, 8, 9], 7).tokens.tolist()
 
 
+def test_auto_drafts_what_the_model_picked_after_a_token_in_an_earlier_pass():
+    """Drafter.recycle: the model's pick at a row, a rejected draft's included, is drafted after that
+    token (the latest pick wins), below any node of that token too; reset() forgets them, and
+    recycle=False leaves them out."""
+    def first_level(d, history):
+        tree = d.propose(history, 7)
+        return [int(t) for t, p in zip(tree.tokens, tree.parents) if p < 0]
+
+    d = AutoDrafter(ssd=False, frozen=False, datastore=False)
+    d.observe([1, 2, 3])
+    assert first_level(d, [1, 2, 3]) == []
+    d.recycle([(3, 41), (3, 40), (40, 50)])
+    assert first_level(d, [1, 2, 3]) == [40]
+    assert d.propose([1, 2, 3], 7).first_path().tokens.tolist() == [40, 50]
+    d.reset()
+    d.observe([1, 2, 3])
+    assert first_level(d, [1, 2, 3]) == []
+    off = AutoDrafter(ssd=False, frozen=False, datastore=False, recycle=False)
+    off.observe([1, 2, 3])
+    off.recycle([(3, 40)])
+    assert first_level(off, [1, 2, 3]) == []
+
+
 @pytest.mark.parametrize("budget", [3, 7, 15, 40])
 def test_best_first_tree_is_the_most_probable_nodes_of_the_whole_trie(budget):
     """auto scores only the children of the nodes it takes; the tree it sends must still be the

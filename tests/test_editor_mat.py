@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters import Drafter, make_drafter
 from cacheback_mlx.replay import replay_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +59,8 @@ def test_editor_mat_prints_kept_fresh_and_none_and_refuses_a_foreign_file(tmp_pa
     assert r.stderr.strip().splitlines()[-1].startswith("editor_mat: ")
 
 
-class Seen:
-    """A drafter that records what it is shown (pld's interface, no drafting)."""
+class Seen(Drafter):
+    """A drafter that records what it is shown (no drafting)."""
 
     name = "seen"
 

@@ -328,6 +328,51 @@ class Recorder(Drafter):
         self.calls.append(("observe", list(tokens)))
 
 
+class PickRecorder(RandomTreeDrafter):
+    """Random trees (rows accepted and rejected alike), and what Drafter.recycle hears of each pass."""
+
+    def __init__(self, prompt, truth):
+        super().__init__(prompt, truth, seed=3)
+        self.passes, self.seen, self.asked = [], [], ([], DraftTree.empty())
+
+    def observe(self, tokens):
+        self.seen.append(list(tokens))
+
+    def propose(self, history, budget, max_branching=None):
+        self.asked = list(history), super().propose(history, budget, max_branching)
+        return self.asked[1]
+
+    def recycle(self, picks):
+        before = [t for part in self.seen[:-1] for t in part]  # the history the pass ran after
+        tree = self.asked[1] if self.asked[0] == before else DraftTree.empty()  # (no budget left: not asked)
+        self.passes.append((before, tree, list(picks)))
+
+
+def test_the_drafter_hears_the_model_s_pick_at_every_row_of_a_pass(tiny_model):
+    """After each pass the drafter gets (row's token, the model's pick there) for the root's row and
+    every node's, rejected drafts included: each pick is the token plain decoding would choose
+    after that row's path."""
+    truth, _ = run(tiny_model, NoDrafter(), n=24)
+    d = PickRecorder(PROMPT, truth)
+    out, eng = run(tiny_model, d, n=24, draft_budget=16)
+    assert out == truth
+    assert len(d.passes) == eng.stats.passes
+    rejected = 0
+    for history, tree, picks in d.passes:
+        assert picks[0][0] == history[-1] and picks[0][1] == truth[len(history) - len(PROMPT)]
+        assert [t for t, _ in picks[1:]] == tree.tokens[: len(picks) - 1].tolist()
+        for node, (token, pick) in enumerate(picks[1:]):
+            path, p = [], node
+            while p >= 0:
+                path.append(int(tree.tokens[p]))
+                p = int(tree.parents[p])
+            context = history + path[::-1]
+            logits = np.array(tiny_model(mx.array(context)[None])[0, -1])
+            assert logits[pick] >= logits.max() - 1e-4, (context, pick)  # the argmax, up to rounding
+            rejected += context != (PROMPT + truth)[: len(context)]
+    assert rejected > 0  # rows off the model's path were heard too
+
+
 def test_context_segments_are_learned_once_but_the_last(tiny_model):
     """Text beside the prompt in segments (an editor's chunks, then the code below the cursor):
     a drafter learns each chunk once and the last segment every request; a new drafter learns

@@ -4,10 +4,10 @@ whose MAT must equal the offline replay's on the same streams, with real passes 
 from cacheback_mlx import bench as B
 from cacheback_mlx import recording as R
 from cacheback_mlx.drafters import make_drafter
-from cacheback_mlx.engine import Engine, accept, forced_picks
+from cacheback_mlx.engine import Engine, accept
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.replay import SHARED_STREAMS, load_streams, longest_match, replay_requests
-from cacheback_mlx.tree import DraftTree
+from cacheback_mlx.tree import DraftTree, forced_picks
 
 import mlx.core as mx
 import pytest

@@ -7,7 +7,10 @@ Sources, each a way to guess what follows the history:
 - dyn / frz: Cacheback's dynamic LRU table and the frozen corpus table (leader -> followers);
 - rest: a REST datastore: one given, or by default the shipped one, the default model's own
   answers (rest.shipped_datastore; what it tends to say, matched on longer contexts than the
-  frozen table's one-token leaders).
+  frozen table's one-token leaders);
+- pick: what the model itself picked after a token the last time a pass ran a row over it, the
+  rows of rejected drafts included (Drafter.recycle; "token recycling"): the model's own next
+  token in a context like this one, often one the text has not shown yet.
 Their candidates are merged into one trie (a token proposed by several sources is one node that
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
@@ -50,6 +53,7 @@ TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
 RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
 TABLE_SOURCES = {"dynamic": "dyn", "frozen": "frz"}  # CachebackDrafter.followers' tables -> sources
+PICK = "pick"  # the model's picks at earlier passes' rows (recycle): a one-token follower, ranked like a table's
 GAP = -1  # separates learned text from the history in the own-history index (never a token)
 # (previous token, token) pairs share this many scorer weights at most (a tuple of ints hashes the
 # same in every process, so kept weights keep their meaning)
@@ -65,7 +69,7 @@ log = logging.getLogger(__name__)
 PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("ssd", 1): 0.0,
          ("ssd", 2): 0.4, ("ssd", 3): 0.8, ("ssd", 4): 1.2, ("rest", 1): 0.0, ("rest", 2): 0.4,
          ("rest", 3): 0.8, ("rest", 4): 1.2, ("dyn", 0): 0.6, ("dyn", 1): 0.0,
-         ("frz", 0): 0.2, ("agree", 2): 0.5, ("agree", 3): 0.8}
+         ("frz", 0): 0.2, (PICK, 0): 0.0, ("agree", 2): 0.5, ("agree", 3): 0.8}
 
 
 def read_scores(path: str | Path) -> tuple[dict, str]:
@@ -279,8 +283,8 @@ class _Trie:
 
 # features() builds the same tuples over and over: made once here (equal tuples, equal weights)
 _DEPTH = [("depth", d) for d in range(7)]
-_AT = {s: [(s + "@", j) for j in range(4)] for s in RETRIEVED + tuple(TABLE_SOURCES.values())}
-_RANK = {s: [(s, k) for k in range(4)] for s in TABLE_SOURCES.values()}
+_AT = {s: [(s + "@", j) for j in range(4)] for s in RETRIEVED + tuple(TABLE_SOURCES.values()) + (PICK,)}
+_RANK = {s: [(s, k) for k in range(4)] for s in tuple(TABLE_SOURCES.values()) + (PICK,)}
 _AGREE = [("agree", k) for k in range(4)]
 _BUCKETS = 16  # a retrieved node's feature by its match length: _BUCKET[source][min(length, _BUCKETS)]
 _BUCKET = {s: [(s, _bucket(n)) for n in range(_BUCKETS + 1)] for s in RETRIEVED}
@@ -294,7 +298,7 @@ class AutoDrafter(Drafter):
     def __init__(self, ssd: bool = True, ssd_path: str | Path | None = None, persist: bool = True,
                  frozen: str | Path | bool | None = None, fingerprint: str | None = None,
                  datastore: str | Path | bool | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000,
-                 scores: str | Path | bool | None = None):
+                 scores: str | Path | bool | None = None, recycle: bool = True):
         """ssd=False leaves out the cross-request buffer (ssd_path / persist / ssd_capacity are
         SsdDrafter's path / persist / capacity);
         frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder; None = the
@@ -303,7 +307,8 @@ class AutoDrafter(Drafter):
         replaces it): None or False = PRIOR; True = the shipped scores (shipped_scores) when the
         tokenizer is the one they were learned with, else PRIOR; a path = a scores file of
         tools/build_default_scores.py's format. The shipped scores draft better for a new
-        drafter's first requests but ran slower with 8 requests at once (docs/BENCHMARKS.md §10)."""
+        drafter's first requests but ran slower with 8 requests at once (docs/BENCHMARKS.md §10).
+        recycle=False leaves out the model's picks (the `pick` source)."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
         self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
                               capacity=ssd_capacity) if ssd else None
@@ -314,6 +319,7 @@ class AutoDrafter(Drafter):
         elif datastore is not False:
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
         self.max_expand = max_expand
+        self.use_picks = recycle
         self.scorer = Scorer(PRIOR)
         if scores is True:
             start = shipped_scores(fingerprint)
@@ -341,6 +347,7 @@ class AutoDrafter(Drafter):
             self.ssd.reset()
         self.seq: list[int] = []
         self.pos: list[dict[tuple, list[int]]] = [{} for _ in range(MAX_K + 1)]
+        self.picks: dict[int, int] = {}  # token -> the model's latest pick after it (recycle)
         self._last = None
 
     def observe(self, tokens: Sequence[int]) -> None:
@@ -354,6 +361,10 @@ class AutoDrafter(Drafter):
         if self.ssd is not None:
             self.ssd.observe(tokens)
         self._index(tokens)
+
+    def recycle(self, picks: Sequence[tuple[int, int]]) -> None:
+        if self.use_picks:
+            self.picks.update(picks)
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Text beside the sequence (an editor's code below the cursor): the tables learn it, and
@@ -420,9 +431,14 @@ class AutoDrafter(Drafter):
         trie.add_all(-1, list(grouped), source, n, weights=list(grouped.values()))
 
     def _table_followers(self, token: int) -> list[tuple[str, list]]:
-        """The followers of `token` in Cacheback's tables, labelled by source (dyn, frz)."""
-        return [(TABLE_SOURCES[table], followers)
-                for table, followers in self.tables.followers((token,), self._followers)]
+        """The followers of `token` in Cacheback's tables, labelled by source (dyn, frz), and the
+        model's latest pick after it (pick)."""
+        out = [(TABLE_SOURCES[table], followers)
+               for table, followers in self.tables.followers((token,), self._followers)]
+        pick = self.picks.get(token)
+        if pick is not None:
+            out.append((PICK, [(pick,)]))
+        return out
 
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:
         self._last = None

@@ -24,6 +24,8 @@ class Drafter:
                                          max_branching=1 asks for a chain (models whose state
                                          cannot branch, e.g. recurrent layers); None: any tree
       observe(accepted_tokens)           after each step, with the tokens just accepted
+      recycle(picks)                     then, the model's pick at every row of that step's pass,
+                                         accepted or not: (the row's token, the token after it)
       end_request()                      when the generation ends
       stats() -> dict                    what the drafter wants reported (`generate --stats`)
       close()                            when the drafter is replaced (frees processes it runs)
@@ -37,6 +39,10 @@ class Drafter:
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
+
+    def recycle(self, picks: Sequence[tuple[int, int]]) -> None:
+        """What the model picked at each row of the last pass, the rows of drafts it rejected
+        included: (the row's token, the model's token after it there). Default: ignored."""
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Learn from text that is not part of the sequence (e.g. the code below an editor's
