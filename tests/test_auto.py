@@ -828,6 +828,11 @@ def test_auto_drafts_what_the_model_picked_after_a_token_in_an_earlier_pass():
     off.observe([1, 2, 3])
     off.recycle([(3, 40)])
     assert first_level(off, [1, 2, 3]) == []
+    from cacheback_mlx.errors import CachebackError
+
+    with pytest.raises(CachebackError, match="recycle must be true or false") as e:
+        make_drafter("auto", persist=False, recycle="maybe")  # `--drafter-arg auto.recycle=maybe`
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("budget", [3, 7, 15, 40])

@@ -318,6 +318,8 @@ class AutoDrafter(Drafter):
             self.rest = RestDrafter(shipped) if shipped is not None else None
         elif datastore is not False:
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
+        if not isinstance(recycle, bool):
+            raise ValueError(f"recycle must be true or false, not {recycle!r}")
         self.max_expand = max_expand
         self.use_picks = recycle
         self.scorer = Scorer(PRIOR)
