@@ -92,3 +92,25 @@ class KnownStreamsDrafter(RandomTreeDrafter):
         h = list(history)
         self.full = next((s for s in self.streams if s[: len(h)] == h), h)
         return super().propose(history, budget, max_branching)
+
+
+class HearsPicks:
+    """Mixed in before a drafter class: keeps each pass's history, tree and what Drafter.recycle
+    heard of it (`heard`). A pass with no draft budget left is not asked for a tree: it runs after
+    the last pass's history and tokens, with none."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.heard, self.history, self.tree, self.produced = [], [], DraftTree.empty(), []
+
+    def observe(self, tokens):
+        super().observe(tokens)
+        self.produced = list(tokens)
+
+    def propose(self, history, budget, max_branching=None):
+        self.history, self.tree = list(history), super().propose(history, budget, max_branching)
+        return self.tree
+
+    def recycle(self, picks):
+        self.heard.append((self.history, self.tree, list(picks)))
+        self.history, self.tree = self.history + self.produced, DraftTree.empty()

@@ -23,7 +23,7 @@ import pytest
 from mlx_lm.models import base, gemma2
 
 import zoo
-from adversarial import KnownStreamsDrafter
+from adversarial import HearsPicks, KnownStreamsDrafter
 from test_families import reference
 
 PROMPTS = [[(7 * i + 3) % 97 + 1 for i in range(24)], [(5 * i + 2) % 97 + 1 for i in range(15)],
@@ -98,24 +98,8 @@ def test_watchers_hear_how_each_pass_shared_its_rows_out():
     assert sum(len(e.lanes) for e in heard) == sum(lane.stats.passes for lane in lanes)  # nothing heard after stop
 
 
-class HearsPicks(KnownStreamsDrafter):
+class LanePicks(HearsPicks, KnownStreamsDrafter):
     """KnownStreamsDrafter that keeps each pass's tree and what recycle then heard."""
-
-    def __init__(self, known, seed):
-        super().__init__(known, seed=seed)
-        self.heard, self.history, self.tree, self.produced = [], [], DraftTree.empty(), []
-
-    def observe(self, tokens):
-        self.produced = list(tokens)
-
-    def propose(self, history, budget, max_branching=None):
-        self.history, self.tree = list(history), super().propose(history, budget, max_branching)
-        return self.tree
-
-    def recycle(self, picks):
-        self.heard.append((self.history, self.tree, list(picks)))
-        # a next pass with no draft budget left is not asked: it runs after these tokens, with no tree
-        self.history, self.tree = self.history + self.produced, DraftTree.empty()
 
 
 def test_each_lane_s_drafter_hears_the_picks_of_its_own_rows():
@@ -125,7 +109,7 @@ def test_each_lane_s_drafter_hears_the_picks_of_its_own_rows():
     known = streams(model)
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=12)
     drafters = []
-    batch = Batch(eng, 3, lambda: drafters.append(HearsPicks(known, seed=len(drafters))) or drafters[-1])
+    batch = Batch(eng, 3, lambda: drafters.append(LanePicks(known, seed=len(drafters))) or drafters[-1])
     lanes = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)])
     assert [lane.tokens for lane in lanes] == [t for _, t in known]
     checked = 0

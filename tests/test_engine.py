@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from adversarial import HearsPicks, OracleDrafter, RandomTreeDrafter, WrongDrafter
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 
@@ -328,24 +328,8 @@ class Recorder(Drafter):
         self.calls.append(("observe", list(tokens)))
 
 
-class PickRecorder(RandomTreeDrafter):
+class PickRecorder(HearsPicks, RandomTreeDrafter):
     """Random trees (rows accepted and rejected alike), and what Drafter.recycle hears of each pass."""
-
-    def __init__(self, prompt, truth):
-        super().__init__(prompt, truth, seed=3)
-        self.passes, self.seen, self.asked = [], [], ([], DraftTree.empty())
-
-    def observe(self, tokens):
-        self.seen.append(list(tokens))
-
-    def propose(self, history, budget, max_branching=None):
-        self.asked = list(history), super().propose(history, budget, max_branching)
-        return self.asked[1]
-
-    def recycle(self, picks):
-        before = [t for part in self.seen[:-1] for t in part]  # the history the pass ran after
-        tree = self.asked[1] if self.asked[0] == before else DraftTree.empty()  # (no budget left: not asked)
-        self.passes.append((before, tree, list(picks)))
 
 
 def test_the_drafter_hears_the_model_s_pick_at_every_row_of_a_pass(tiny_model):
@@ -353,12 +337,12 @@ def test_the_drafter_hears_the_model_s_pick_at_every_row_of_a_pass(tiny_model):
     every node's, rejected drafts included: each pick is the token plain decoding would choose
     after that row's path."""
     truth, _ = run(tiny_model, NoDrafter(), n=24)
-    d = PickRecorder(PROMPT, truth)
+    d = PickRecorder(PROMPT, truth, seed=3)
     out, eng = run(tiny_model, d, n=24, draft_budget=16)
     assert out == truth
-    assert len(d.passes) == eng.stats.passes
+    assert len(d.heard) == eng.stats.passes
     rejected = 0
-    for history, tree, picks in d.passes:
+    for history, tree, picks in d.heard:
         assert picks[0][0] == history[-1] and picks[0][1] == truth[len(history) - len(PROMPT)]
         assert [t for t, _ in picks[1:]] == tree.tokens[: len(picks) - 1].tolist()
         for node, (token, pick) in enumerate(picks[1:]):
