@@ -44,7 +44,7 @@ from .engine import Engine, Interrupted, Stats, accept
 from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
-from .sampling import SamplingParams, token_picker
+from .sampling import SamplingParams, token_picker, top_tokens
 from .shared_pass import batch_pass
 from .sharing import sharing
 from .slots import Sequence, choose_sequence
@@ -334,7 +334,9 @@ class Batch:
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
-        mx.eval(picks, feeding.seq.cache.arrays() if chunk else [])
+        tops = [top_tokens(x, 1 + lane.drafter.alternatives) if lane.drafter.alternatives > 0 else None
+                for lane, x in zip(lanes, logits)]  # the model's best tokens at each row, for the drafter
+        mx.eval(picks, [t for t in tops if t is not None], feeding.seq.cache.arrays() if chunk else [])
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:
             if chunk:
@@ -350,10 +352,10 @@ class Batch:
             self._fed(feeding, chunk, seconds)
         # accept, roll back and update each lane
         out = []
-        for lane, (_, lead, tree, rows), p in zip(lanes, passes, picks):
+        for lane, (_, lead, tree, rows), p, top in zip(lanes, passes, picks, tops):
             if shared and self.undo_padded:  # the padding ran into a narrower lane's states
                 rows = width
-            produced = self._settle(lane, lead, tree, rows, p.tolist())
+            produced = self._settle(lane, lead, tree, rows, p.tolist(), None if top is None else top.tolist())
             lane.stats.draft_s += draft_s / len(lanes)
             lane.stats.verify_s += seconds
             out.append((lane, produced))
@@ -366,7 +368,8 @@ class Batch:
                 fn(event)
         return out
 
-    def _settle(self, lane: Lane, lead: list[int], tree: DraftTree, rows: int, picks: list[int]) -> list[int]:
+    def _settle(self, lane: Lane, lead: list[int], tree: DraftTree, rows: int, picks: list[int],
+                tops: list[list[int]] | None = None) -> list[int]:
         """A lane after its pass: accept the longest agreed path and its bonus token, keep those
         rows, tell the drafter; the tokens it produced (EOS and past the limit cut off)."""
         seq, stats = lane.seq, lane.stats
@@ -387,7 +390,7 @@ class Batch:
         produced = accepted[:eos][: lane.max_tokens - len(lane.tokens)]
         seq.history.extend(produced)
         lane.drafter.observe(produced)
-        lane.drafter.recycle(tree.picked(lead[-1], picks))
+        lane.drafter.recycle(tree.picked(lead[-1], picks, tops))
         lane.tokens.extend(produced)
         stats.tokens = len(lane.tokens)
         stats.accepted += len(produced) + (eos is not None and len(produced) == eos)

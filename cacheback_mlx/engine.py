@@ -37,7 +37,7 @@ from .kvcache import ModelCache
 from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
-from .sampling import SamplingParams, token_picker
+from .sampling import SamplingParams, token_picker, top_tokens
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix, forced_picks
 from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass, warm_up
@@ -492,18 +492,24 @@ class Engine:
                     else:
                         logits = self._verify(lead, tree, size)
                     picks = pick(logits, len(seq.cached) + len(lead), tree)
+                    # the model's best tokens at each row, for the drafter (Drafter.alternatives); not in
+                    # a forced run, whose drafter hears only what a replay of the recording knows
+                    best = self.drafter.alternatives if forced is None else 0
+                    tops = top_tokens(logits, 1 + best) if best > 0 else None
+                    read = [picks] if tops is None else [picks, tops]
                     if (ahead_ok and quiet >= self.RUN_AHEAD_QUIET and size == len(lead) == 1  # (no drafts)
                             and stats.tokens + 1 < max_tokens):
                         # a plain step after quiet ones: keep its row, and start the next plain step
                         # over its token before that token is read, so the device never waits for
                         # this loop (as in mlx-lm's). The drafter speaks again at the next token:
                         # if it drafts there, that step's token leads the drafted pass after it.
-                        mx.async_eval(picks)
+                        mx.async_eval(*read)
                         self._finish([0], True)
                         ahead = step_pass(self.model, seq.cache, picks)
                         mx.async_eval(ahead)
                         stats.ahead += 1
-                    picks = picks.tolist()  # evaluates the pass
+                    mx.eval(*read)  # the pass
+                    picks, tops = picks.tolist(), None if tops is None else tops.tolist()
                     if forced is not None:
                         picks = forced_picks(tree, forced[stats.tokens :])
                     seconds = time.perf_counter() - t0
@@ -532,7 +538,7 @@ class Engine:
                     t0 = time.perf_counter()
                     seq.history.extend(out)
                     self.drafter.observe(out)
-                    self.drafter.recycle(tree.picked(lead[-1], picks))  # every row's pick, accepted or not
+                    self.drafter.recycle(tree.picked(lead[-1], picks, tops))  # every row's, accepted or not
                     stats.draft_s += time.perf_counter() - t0
                     stats.tokens += len(out)
                     stats.accepted += len(out) + (eos is not None and len(out) == eos)

@@ -105,11 +105,18 @@ class DraftTree:
         chain = DraftTree.chain(path)
         return chain if self.scores is None else DraftTree(chain.tokens, chain.parents, scores)
 
-    def picked(self, root: int, picks: Sequence[int]) -> list[tuple[int, int]]:
-        """(a row's token, the model's pick after it) for every row of a pass over this tree, its
-        drafts accepted or not: the root's row (`root`, the token the pass's picks start after)
-        and each node's. A pick below 0 (a forced run's row off the recording) is left out."""
-        return [(t, p) for t, p in zip([int(root)] + self.tokens.tolist(), [int(p) for p in picks]) if p >= 0]
+    def picked(self, root: int, picks: Sequence[int],
+               best: Sequence[Sequence[int]] | None = None) -> list[tuple[int, tuple[int, ...]]]:
+        """(a row's token, (the model's pick after it, ...)) for every row of a pass over this
+        tree, its drafts accepted or not: the root's row (`root`, the token the pass's picks start
+        after) and each node's; with `best` (each row's k best tokens, best first: top_tokens),
+        the pick is followed by the others of them (k tokens in all). A pick below 0 (a forced
+        run's row off the recording) is left out."""
+        rows = [int(root)] + self.tokens.tolist()
+        if best is None:
+            return [(t, (int(p),)) for t, p in zip(rows, picks) if p >= 0]
+        return [(t, ((int(p),) + tuple(int(b) for b in top if b != p))[: len(top)])
+                for t, p, top in zip(rows, picks, best) if p >= 0]
 
     def truncate(self, n: int) -> "DraftTree":
         """The first n nodes (still a valid tree, as parents precede children)."""

@@ -8,7 +8,7 @@ from cacheback_mlx import costs
 from cacheback_mlx.budget import RankRates, Sizer, best_size, known_outcomes
 from cacheback_mlx.costs import CostTable, load_or_measure, measure
 from cacheback_mlx.drafters import make_drafter
-from cacheback_mlx.drafters.auto import AutoDrafter
+from cacheback_mlx.drafters.auto import RECYCLED, WIDE, AutoDrafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.drafters.scorer import Scorer
 from cacheback_mlx.engine import Engine
@@ -810,7 +810,8 @@ def test_auto_drafts_from_learned_text_without_crossing_into_it():
 def test_auto_drafts_what_the_model_picked_after_a_token_in_an_earlier_pass():
     """Drafter.recycle: the model's pick at a row, a rejected draft's included, is drafted after that
     token (the latest pick wins), below any node of that token too; reset() forgets them, and
-    recycle=False leaves them out."""
+    recycle=False leaves them out; recycle=N drafts the row's N best tokens, the pick first, and the
+    default asks for the next-best ones only while passes run more than WIDE rows."""
     def first_level(d, history):
         tree = d.propose(history, 7)
         return [int(t) for t, p in zip(tree.tokens, tree.parents) if p < 0]
@@ -818,7 +819,8 @@ def test_auto_drafts_what_the_model_picked_after_a_token_in_an_earlier_pass():
     d = AutoDrafter(ssd=False, frozen=False, datastore=False)
     d.observe([1, 2, 3])
     assert first_level(d, [1, 2, 3]) == []
-    d.recycle([(3, 41), (3, 40), (40, 50)])
+    assert d.alternatives == 0  # no pass seen yet: not wide
+    d.recycle([(3, (41,)), (3, (40,)), (40, (50,))])
     assert first_level(d, [1, 2, 3]) == [40]
     assert d.propose([1, 2, 3], 7).first_path().tokens.tolist() == [40, 50]
     d.reset()
@@ -826,13 +828,32 @@ def test_auto_drafts_what_the_model_picked_after_a_token_in_an_earlier_pass():
     assert first_level(d, [1, 2, 3]) == []
     off = AutoDrafter(ssd=False, frozen=False, datastore=False, recycle=False)
     off.observe([1, 2, 3])
-    off.recycle([(3, 40)])
-    assert first_level(off, [1, 2, 3]) == []
+    off.recycle([(3, (40,))])
+    assert first_level(off, [1, 2, 3]) == [] and off.alternatives == 0
+    best = [(3, (40, 44, 41, 43, 42))]  # the pick, then the next best
+    four = AutoDrafter(ssd=False, frozen=False, datastore=False, recycle=4)
+    assert four.alternatives == 3
+    four.observe([1, 2, 3])
+    four.recycle(best)
+    assert sorted(first_level(four, [1, 2, 3])) == [40, 41, 43, 44]
+    assert four.propose([1, 2, 3], 7).first_path().tokens.tolist()[0] == 40  # the pick ranks first
+    wide = [(t, (t + 1,)) for t in range(2 * WIDE)]  # a pass of 2 * WIDE rows
+    for _ in range(12):
+        d.recycle(wide)
+    assert d.alternatives == RECYCLED - 1  # wide passes: the next best too
+    for _ in range(20):
+        d.recycle(wide[:8])
+    assert d.alternatives == 0
+    two = AutoDrafter(ssd=False, frozen=False, datastore=False, recycle=2)
+    two.observe([1, 2, 3])
+    two.recycle(best)
+    assert sorted(first_level(two, [1, 2, 3])) == [40, 44] and two.alternatives == 1
     from cacheback_mlx.errors import CachebackError
 
-    with pytest.raises(CachebackError, match="recycle must be true or false") as e:
-        make_drafter("auto", persist=False, recycle="maybe")  # `--drafter-arg auto.recycle=maybe`
-    assert "\n" not in str(e.value)
+    for bad in ("maybe", -1, 17, 2.5):  # `--drafter-arg auto.recycle=maybe`
+        with pytest.raises(CachebackError, match="recycle must be true, false or a number") as e:
+            make_drafter("auto", persist=False, recycle=bad)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("budget", [3, 7, 15, 40])

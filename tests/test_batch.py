@@ -99,7 +99,10 @@ def test_watchers_hear_how_each_pass_shared_its_rows_out():
 
 
 class LanePicks(HearsPicks, KnownStreamsDrafter):
-    """KnownStreamsDrafter that keeps each pass's tree and what recycle then heard."""
+    """KnownStreamsDrafter that keeps each pass's tree and what recycle then heard (each row's
+    pick and 2 next-best tokens)."""
+
+    alternatives = 2
 
 
 def test_each_lane_s_drafter_hears_the_picks_of_its_own_rows():
@@ -121,10 +124,11 @@ def test_each_lane_s_drafter_hears_the_picks_of_its_own_rows():
             if len(matching) > 1:  # (a prompt that begins another's: which one runs is not known here)
                 continue
             stream = matching[0]
-            assert picks[0] == (history[-1], stream[len(history)])
+            assert picks[0][0] == history[-1] and picks[0][1][0] == stream[len(history)]
+            assert all(len(best) == 3 for _, best in picks)  # the pick and 2 next best (alternatives)
             assert [t for t, _ in picks[1:]] == tree.tokens[: len(picks) - 1].tolist()
             depth = tree.depths()
-            for node, (_, pick) in enumerate(picks[1:]):
+            for node, (_, (pick, *_)) in enumerate(picks[1:]):
                 path, p = [], node
                 while p >= 0:
                     path.append(int(tree.tokens[p]))

@@ -240,6 +240,24 @@ def test_a_seeded_request_samples_the_same_text_with_any_drafter(tiny_model):
     assert [t for step in eng.generate(PROMPT, 24, other) for t in step] != plain
 
 
+@pytest.mark.parametrize("vocab", [100, 1000, 49152, 5000 + 17])
+def test_top_tokens_are_each_row_s_best_in_order(vocab):
+    """sampling.top_tokens: the k best ids of each row, best first, as a full sort gives them: for
+    small vocabularies, whole blocks, and a short last block; with the best all in one block, or
+    in the last one."""
+    from cacheback_mlx.sampling import TOP_BLOCK, top_tokens
+
+    rows = np.array(mx.random.normal((5, vocab), key=mx.random.key(vocab)))
+    rows[1, 7:15] = 10 + np.arange(8)  # one block holds the best 8
+    rows[2, vocab - 5 :] = 20 + np.arange(5)  # the last block holds the best 5
+    rows[3, ::TOP_BLOCK] = 30 + np.arange(len(rows[3, ::TOP_BLOCK]))  # one each in many blocks
+    for k in (1, 4, 8):
+        got = np.array(top_tokens(mx.array(rows), k))
+        assert got.shape == (5, min(k, vocab))
+        assert (got == np.argsort(-rows, axis=-1, kind="stable")[:, :k]).all(), k
+    assert np.array(top_tokens(mx.array(rows[:, :3]), 8)).shape == (5, 3)  # k above the vocabulary: all
+
+
 def test_a_seeded_pick_is_the_same_whatever_rows_beside_it():
     from cacheback_mlx.sampling import token_picker
 
@@ -332,29 +350,52 @@ class PickRecorder(HearsPicks, RandomTreeDrafter):
     """Random trees (rows accepted and rejected alike), and what Drafter.recycle hears of each pass."""
 
 
-def test_the_drafter_hears_the_model_s_pick_at_every_row_of_a_pass(tiny_model):
-    """After each pass the drafter gets (row's token, the model's pick there) for the root's row and
-    every node's, rejected drafts included: each pick is the token plain decoding would choose
-    after that row's path."""
+class BestRecorder(PickRecorder):
+    """PickRecorder that asks for the model's 3 next-best tokens at each row too."""
+
+    alternatives = 3
+
+
+@pytest.mark.parametrize("recorder", [PickRecorder, BestRecorder])
+def test_the_drafter_hears_the_model_s_pick_at_every_row_of_a_pass(tiny_model, recorder):
+    """After each pass the drafter gets (row's token, the model's pick there and its next-best
+    tokens) for the root's row and every node's, rejected drafts included: each pick is the token
+    plain decoding would choose after that row's path, and the others (Drafter.alternatives of
+    them) the next best logits there, best first."""
     truth, _ = run(tiny_model, NoDrafter(), n=24)
-    d = PickRecorder(PROMPT, truth, seed=3)
+    d = recorder(PROMPT, truth, seed=3)
     out, eng = run(tiny_model, d, n=24, draft_budget=16)
     assert out == truth
     assert len(d.heard) == eng.stats.passes
     rejected = 0
     for history, tree, picks in d.heard:
-        assert picks[0][0] == history[-1] and picks[0][1] == truth[len(history) - len(PROMPT)]
+        assert picks[0][0] == history[-1] and picks[0][1][0] == truth[len(history) - len(PROMPT)]
         assert [t for t, _ in picks[1:]] == tree.tokens[: len(picks) - 1].tolist()
-        for node, (token, pick) in enumerate(picks[1:]):
-            path, p = [], node
+        for node, (token, best) in enumerate(picks):
+            path, p = [], node - 1  # row 0: the root's, then node - 1's
             while p >= 0:
                 path.append(int(tree.tokens[p]))
                 p = int(tree.parents[p])
             context = history + path[::-1]
             logits = np.array(tiny_model(mx.array(context)[None])[0, -1])
-            assert logits[pick] >= logits.max() - 1e-4, (context, pick)  # the argmax, up to rounding
+            assert len(best) == 1 + d.alternatives and len(set(best)) == len(best)
+            ranked = np.sort(logits)[::-1]
+            for k, b in enumerate(best):  # the k-th best, up to rounding
+                assert abs(logits[b] - ranked[k]) <= 1e-4, (context, best)
             rejected += context != (PROMPT + truth)[: len(context)]
     assert rejected > 0  # rows off the model's path were heard too
+
+
+def test_auto_drafting_the_model_s_best_tokens_stays_lossless(tiny_model):
+    """auto with each row's 4 best tokens (recycle=4; the default once passes are wide): the same
+    tokens as plain decoding, having heard 4 of them at rows of its passes."""
+    from cacheback_mlx.drafters.auto import AutoDrafter
+
+    truth, _ = run(tiny_model, NoDrafter(), n=48)
+    d = AutoDrafter(ssd=False, frozen=False, datastore=False, recycle=4)
+    out, _ = run(tiny_model, d, n=48, draft_budget=40)
+    assert out == truth
+    assert any(len(best) == 4 for best in d.picks.values())
 
 
 def test_context_segments_are_learned_once_but_the_last(tiny_model):

@@ -1,8 +1,9 @@
 """The engine and the drafters give, bit for bit, what they gave before the code was reorganised
 (the reference: tests/data/golden_outputs.json, written by tests/golden_outputs.py at commit
 c9ae993; `auto`'s passes and drafts again when it began drafting the model's own picks,
-Drafter.recycle: its outputs the same): greedy outputs with every drafter at a fixed budget,
-their pass and acceptance counts, and the offline replay's passes on the recorded streams.
+Drafter.recycle, and again with their next-best tokens: its outputs the same): greedy outputs
+with every drafter at a fixed budget, their pass and acceptance counts, and the offline replay's
+passes on the recorded streams.
 Live, plain decoding and the default drafter run always, every drafter with -m long (each is
 lossless on this model in test_default_model.py)."""
 

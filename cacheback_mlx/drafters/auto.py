@@ -8,9 +8,10 @@ Sources, each a way to guess what follows the history:
 - rest: a REST datastore: one given, or by default the shipped one, the default model's own
   answers (rest.shipped_datastore; what it tends to say, matched on longer contexts than the
   frozen table's one-token leaders);
-- pick: what the model itself picked after a token the last time a pass ran a row over it, the
-  rows of rejected drafts included (Drafter.recycle; "token recycling"): the model's own next
-  token in a context like this one, often one the text has not shown yet.
+- pick: what the model itself picked after a token the last time a pass ran a row over it, and
+  once passes are wide its next-best tokens there too (RECYCLED in all), the rows of rejected
+  drafts included (Drafter.recycle; "token recycling"): the model's own next tokens in a context
+  like this one, often ones the text has not shown yet.
 Their candidates are merged into one trie (a token proposed by several sources is one node that
 carries all their evidence). Each node gets an estimate of P(accepted | parent accepted) from its
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
@@ -53,7 +54,9 @@ TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
 RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
 TABLE_SOURCES = {"dynamic": "dyn", "frozen": "frz"}  # CachebackDrafter.followers' tables -> sources
-PICK = "pick"  # the model's picks at earlier passes' rows (recycle): a one-token follower, ranked like a table's
+PICK = "pick"  # the model's picks at earlier passes' rows (recycle): one-token followers, ranked like a table's
+RECYCLED = 4  # the model's best tokens kept per row (its pick and the next 3) once passes are wide: `recycle`
+WIDE = 16  # passes of more rows than this (on average) are wide: at ~8 the next-best tokens cost more than they gained
 GAP = -1  # separates learned text from the history in the own-history index (never a token)
 # (previous token, token) pairs share this many scorer weights at most (a tuple of ints hashes the
 # same in every process, so kept weights keep their meaning)
@@ -69,7 +72,8 @@ log = logging.getLogger(__name__)
 PRIOR = {("own", 1): 0.0, ("own", 2): 0.6, ("own", 3): 1.0, ("own", 4): 1.4, ("ssd", 1): 0.0,
          ("ssd", 2): 0.4, ("ssd", 3): 0.8, ("ssd", 4): 1.2, ("rest", 1): 0.0, ("rest", 2): 0.4,
          ("rest", 3): 0.8, ("rest", 4): 1.2, ("dyn", 0): 0.6, ("dyn", 1): 0.0,
-         ("frz", 0): 0.2, (PICK, 0): 0.0, ("agree", 2): 0.5, ("agree", 3): 0.8}
+         ("frz", 0): 0.2, (PICK, 0): 0.0, (PICK, 1): -0.3,
+         (PICK, 2): -0.6, (PICK, 3): -0.9, ("agree", 2): 0.5, ("agree", 3): 0.8}
 
 
 def read_scores(path: str | Path) -> tuple[dict, str]:
@@ -298,7 +302,7 @@ class AutoDrafter(Drafter):
     def __init__(self, ssd: bool = True, ssd_path: str | Path | None = None, persist: bool = True,
                  frozen: str | Path | bool | None = None, fingerprint: str | None = None,
                  datastore: str | Path | bool | None = None, max_expand: int = 24, ssd_capacity: int = 4_000_000,
-                 scores: str | Path | bool | None = None, recycle: bool = True):
+                 scores: str | Path | bool | None = None, recycle: bool | int = True):
         """ssd=False leaves out the cross-request buffer (ssd_path / persist / ssd_capacity are
         SsdDrafter's path / persist / capacity);
         frozen / fingerprint are CachebackDrafter's; datastore: a REST datastore folder; None = the
@@ -308,7 +312,11 @@ class AutoDrafter(Drafter):
         tokenizer is the one they were learned with, else PRIOR; a path = a scores file of
         tools/build_default_scores.py's format. The shipped scores draft better for a new
         drafter's first requests but ran slower with 8 requests at once (docs/BENCHMARKS.md §10).
-        recycle=False leaves out the model's picks (the `pick` source)."""
+        recycle: how many of the model's best tokens at each row of a pass (its pick first) are
+        drafted after that row's token (the `pick` source): a number (0 = none), or True = the pick
+        alone while passes run up to WIDE rows on average, RECYCLED once they run more (at ~8
+        rows a pass on a 2-core CPU the next-best tokens drafted better but ran slower; at 32
+        both better: docs/BENCHMARKS.md §4); False = none."""
         self.tables = CachebackDrafter(frozen=frozen, fingerprint=fingerprint)
         self.ssd = SsdDrafter(path=ssd_path, persist=persist, fingerprint=fingerprint,
                               capacity=ssd_capacity) if ssd else None
@@ -318,10 +326,12 @@ class AutoDrafter(Drafter):
             self.rest = RestDrafter(shipped) if shipped is not None else None
         elif datastore is not False:
             self.rest = RestDrafter(datastore, fingerprint=fingerprint)
-        if not isinstance(recycle, bool):
-            raise ValueError(f"recycle must be true or false, not {recycle!r}")
+        if not isinstance(recycle, int) or not 0 <= recycle <= 16:  # (a bool is an int)
+            raise ValueError(f"recycle must be true, false or a number of tokens from 0 to 16, not {recycle!r}")
         self.max_expand = max_expand
-        self.use_picks = recycle
+        self.recycled = RECYCLED if recycle is True else int(recycle)
+        self.when_wide = recycle is True  # the next-best tokens only while passes are wide
+        self.rows = 0.0  # the rows of recent passes, on average (recycle)
         self.scorer = Scorer(PRIOR)
         if scores is True:
             start = shipped_scores(fingerprint)
@@ -349,7 +359,7 @@ class AutoDrafter(Drafter):
             self.ssd.reset()
         self.seq: list[int] = []
         self.pos: list[dict[tuple, list[int]]] = [{} for _ in range(MAX_K + 1)]
-        self.picks: dict[int, int] = {}  # token -> the model's latest pick after it (recycle)
+        self.picks: dict[int, tuple] = {}  # token -> the model's latest best tokens after it (recycle)
         self._last = None
 
     def observe(self, tokens: Sequence[int]) -> None:
@@ -364,9 +374,18 @@ class AutoDrafter(Drafter):
             self.ssd.observe(tokens)
         self._index(tokens)
 
-    def recycle(self, picks: Sequence[tuple[int, int]]) -> None:
-        if self.use_picks:
-            self.picks.update(picks)
+    @property
+    def alternatives(self) -> int:
+        """How many next-best tokens recycle() wants beside each pick (Drafter.alternatives)."""
+        if self.recycled <= 1 or (self.when_wide and self.rows <= WIDE):
+            return 0
+        return self.recycled - 1
+
+    def recycle(self, picks: Sequence[tuple[int, tuple[int, ...]]]) -> None:
+        self.rows += 0.1 * (len(picks) - self.rows)
+        if self.recycled:
+            n = self.recycled
+            self.picks.update((t, best[:n]) for t, best in picks)
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Text beside the sequence (an editor's code below the cursor): the tables learn it, and
@@ -434,12 +453,12 @@ class AutoDrafter(Drafter):
 
     def _table_followers(self, token: int) -> list[tuple[str, list]]:
         """The followers of `token` in Cacheback's tables, labelled by source (dyn, frz), and the
-        model's latest pick after it (pick)."""
+        model's latest best tokens after it, its pick first (pick)."""
         out = [(TABLE_SOURCES[table], followers)
                for table, followers in self.tables.followers((token,), self._followers)]
-        pick = self.picks.get(token)
-        if pick is not None:
-            out.append((PICK, [(pick,)]))
+        best = self.picks.get(token)
+        if best is not None:
+            out.append((PICK, [(t,) for t in best]))
         return out
 
     def propose(self, history: Sequence[int], budget: int, max_branching: int | None = None) -> DraftTree:

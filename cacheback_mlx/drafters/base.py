@@ -25,7 +25,8 @@ class Drafter:
                                          cannot branch, e.g. recurrent layers); None: any tree
       observe(accepted_tokens)           after each step, with the tokens just accepted
       recycle(picks)                     then, the model's pick at every row of that step's pass,
-                                         accepted or not: (the row's token, the token after it)
+                                         accepted or not, and its `alternatives` next-best tokens
+                                         there: (the row's token, (pick, next best, ...))
       end_request()                      when the generation ends
       stats() -> dict                    what the drafter wants reported (`generate --stats`)
       close()                            when the drafter is replaced (frees processes it runs)
@@ -33,6 +34,7 @@ class Drafter:
     """
 
     name = "base"
+    alternatives = 0  # how many of the model's next-best tokens at each row recycle() hears beside its pick
 
     def reset(self) -> None:
         """Forget everything learned from earlier tokens (a new conversation)."""
@@ -40,9 +42,10 @@ class Drafter:
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
 
-    def recycle(self, picks: Sequence[tuple[int, int]]) -> None:
+    def recycle(self, picks: Sequence[tuple[int, tuple[int, ...]]]) -> None:
         """What the model picked at each row of the last pass, the rows of drafts it rejected
-        included: (the row's token, the model's token after it there). Default: ignored."""
+        included: (the row's token, (the model's token after it there, then up to `alternatives`
+        of its next-best tokens there, best first)). Default: ignored."""
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Learn from text that is not part of the sequence (e.g. the code below an editor's
