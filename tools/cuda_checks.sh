@@ -14,7 +14,9 @@
 #   3. the same on a 4-bit model (random:llama-3.2-1b:q4, 4 layers), after the quantized matmul
 #      by rows at an 8B model's shapes, 4 and 8 bits, MLX's against the kernel's;
 #   4. `bench` in float16 (the GPU default) and in bfloat16, `none` and `auto` against mlx-lm: `none`
-#      should give mlx-lm's tokens on every prompt, `auto` `none`'s;
+#      should give mlx-lm's tokens on every prompt, `auto` `none`'s; then in float16 `auto` (the
+#      model's 4 best tokens at each row once passes are wide, as 63 drafts a pass are here) against
+#      `auto:recycle=1` (its pick alone) and `auto:recycle=false` (neither), for their MAT and tok/s;
 #   5. `bench` on a Llama-3.1-8B-shaped 4-bit model (random weights: nothing accepted; outputs
 #      equal, and `auto` no slower than `none`), its verify pass cost by rows, and its speed at the
 #      default model's acceptance (--forced along tools/data/streams_seed101, 64 tokens a turn: a
@@ -115,6 +117,10 @@ slow_passes() {  # the passes of a bench's JSON that stalled (tools/slow_passes.
     [ -f "$OUT/$1.json" ] && "$PY" -m tools.slow_passes "$OUT/$1.json" --top 5 2>&1 | tee "$OUT/$1.slow.log" | tail -n 25
 }
 run_bench_float16() { step bench_float16 "$PY" "${BENCH[@]}" --json "$OUT/bench_float16.json"; slow_passes bench_float16; }
+run_bench_recycle() {
+    step bench_recycle "$PY" "${BENCH[@]/%none,auto/none,auto,auto:recycle=1,auto:recycle=false}" --no-mlx-lm \
+        --json "$OUT/bench_recycle.json"
+}
 run_bench_bfloat16() {
     step bench_bfloat16 "$PY" "${BENCH[@]/float16/bfloat16}" --json "$OUT/bench_bfloat16.json"
     slow_passes bench_bfloat16
@@ -159,7 +165,7 @@ run_startup_profile() {
         --humaneval-prompts 0 -n 16 --dtype float16 --drafters none --no-mlx-lm
 }
 
-ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
+ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_recycle bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
      verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off bench_float16_run_ahead step_time fused_proj startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
