@@ -145,6 +145,18 @@ def test_auto_from_the_shipped_scores_is_lossless_on_the_default_model(default_m
         assert eng.stats.passes < N, mode
 
 
+def test_auto_drafting_each_row_s_best_tokens_is_lossless_on_the_default_model(default_model, plain_outputs):
+    """auto drafting the model's 4 best tokens at each row (as on a GPU's wide passes; top_tokens
+    over the real vocabulary), 31 drafts a pass: every token as plain decoding's."""
+    drafter = make_drafter("auto", persist=False, recycle=4)
+    for mode, (ids, truth) in plain_outputs.items():
+        eng = Engine(default_model.model, [], drafter, default_model.context_length, draft_budget=31)
+        out = [t for step in eng.generate(ids, N) for t in step]
+        assert out == truth, mode
+        assert eng.stats.passes < N, mode
+    assert drafter.alternatives == 3 and any(len(best) == 4 for best in drafter.picks.values())
+
+
 def test_per_step_sizing_is_lossless_on_the_default_model(default_model, plain_outputs, drafter_params):
     """The default path: auto, passes sized per step from a cost curve whose 8 rows cost less than
     2-7 (so passes are padded), the uncached tail of a second turn leading the first pass."""

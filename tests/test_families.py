@@ -89,6 +89,7 @@ def test_greedy_tokens_equal_mlx_lm(family):
                      "random-2": RandomTreeDrafter(PROMPT, truth, seed=2),
                      "scored": Scored(RandomTreeDrafter(PROMPT, truth, seed=4)),
                      "auto": AutoDrafter(persist=False),
+                     "auto-best-4": AutoDrafter(persist=False, recycle=4),  # each row's 4 best tokens, heard
                      "auto-shipped-scores": AutoDrafter(persist=False, scores=True)}.items():
         sizer = Sizer(padded)
         sizer.EXPLORE, sizer.LEARN_SHARE = 2, 1.0  # every other pass tries the runner-up size: still exact
