@@ -334,8 +334,8 @@ class Batch:
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
-        tops = [top_tokens(x, 1 + lane.drafter.alternatives) if lane.drafter.alternatives > 0 else None
-                for lane, x in zip(lanes, logits)]  # the model's best tokens at each row, for the drafter
+        best = [lane.drafter.alternatives for lane in lanes]  # next-best tokens at each row, for the drafter
+        tops = [top_tokens(x, 1 + k) if k > 0 else None for x, k in zip(logits, best)]
         mx.eval(picks, [t for t in tops if t is not None], feeding.seq.cache.arrays() if chunk else [])
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:
