@@ -1,5 +1,7 @@
 """Side-by-side speed runs: several drafters and plain mlx-lm on ONE loaded model, interleaved per
-prompt so machine noise hits all alike. Every drafter's greedy output must equal `none`'s.
+prompt so machine noise hits all alike. Every drafter's output must equal `none`'s: greedy, or
+sampled with a seed per question (`sampled`: a seeded request draws each position's token from
+its own key, so every drafter samples the same text; mlx-lm's sampler draws its own).
 
 Speed is tokens / wall time of the whole request (prefill + decoding), the same definition for
 every row, mlx-lm included. The KV cache and the drafter are reset between questions; the two
@@ -12,9 +14,10 @@ import json
 import random
 import re
 import time
+import zlib
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ import numpy as np
 from .api import Session
 from .engine import on_gpu
 from .errors import CachebackError
+from .sampling import SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "bench"  # Spec-Bench and HumanEval, shipped with their licences
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -157,8 +161,18 @@ class Row:
     budget: int | None = None  # the cap (per step) or the fixed budget
 
 
-def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: str | None = None) -> Run:
-    """One question with one drafter (or Row), from an empty cache and a fresh drafter state."""
+def sampled(sampling: SamplingParams | None, prompt: Prompt, turn: int) -> SamplingParams:
+    """The sampling of one turn of a question: greedy (None), or `sampling` with a seed of its own,
+    made from the question's id and the turn (the same for every drafter and every run)."""
+    if sampling is None:
+        return SamplingParams()
+    return replace(sampling, seed=zlib.crc32(f"{prompt.id}:{turn}:{sampling.seed or 0}".encode()))
+
+
+def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: str | None = None,
+               sampling: SamplingParams | None = None) -> Run:
+    """One question with one drafter (or Row), from an empty cache and a fresh drafter state;
+    greedy, or sampled (`sampled`)."""
     row = row if isinstance(row, Row) else Row(row, session.engine.sizer, session.engine.draft_budget)
     drafter = row.drafter
     eng = session.engine
@@ -166,29 +180,38 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
     eng.reset(drafter)
     run = Run(prompt.id, prompt.column, label or drafter.name)
     messages: list[dict] = []
-    for turn in prompt.turns:
+    for k, turn in enumerate(prompt.turns):
         messages.append({"role": "user", "content": turn})
         ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
         with logging_passes(run, eng):
             t0 = time.perf_counter()
-            out = [t for step in eng.generate(ids, max_tokens) for t in step]
+            out = [t for step in eng.generate(ids, max_tokens, sampled(sampling, prompt, k)) for t in step]
             run.add(out, time.perf_counter() - t0, eng.stats)
         messages.append({"role": "assistant", "content": session.tokenizer.decode(out)})
     return run
 
 
-def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int) -> Run:
-    """The same question with mlx-lm's own stream_generate on the same weights (greedy)."""
+def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: SamplingParams | None = None) -> Run:
+    """The same question with mlx-lm's own stream_generate on the same weights: greedy, or with
+    mlx-lm's sampler at the same settings (seeded per turn through MLX's global random state)."""
+    import mlx.core as mx
     from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
 
     run = Run(prompt.id, prompt.column, MLX_LM)
     messages: list[dict] = []
-    for turn in prompt.turns:
+    for k, turn in enumerate(prompt.turns):
         messages.append({"role": "user", "content": turn})
         ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
+        kw = {}
+        if sampling is not None:
+            params = sampled(sampling, prompt, k)
+            mx.random.seed(params.seed)
+            kw["sampler"] = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
+                                         min_p=params.min_p, top_k=params.top_k)
         t0 = time.perf_counter()
         out = []
-        for r in stream_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens):
+        for r in stream_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens, **kw):
             if r.finish_reason is None or r.finish_reason == "length":
                 out.append(int(r.token))
         run.add(out, time.perf_counter() - t0)
@@ -203,8 +226,10 @@ WARMUP = [Prompt("warmup-chat", "warmup", ["Name three colours and say one thing
 
 
 def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_tokens: int, warmup: int = 1,
-              with_mlx_lm: bool = True, progress: bool = True, warm_every_prompt: bool | None = None) -> list[Run]:
-    """Every prompt with every drafter (and mlx-lm), rotating the order per prompt.
+              with_mlx_lm: bool = True, progress: bool = True, warm_every_prompt: bool | None = None,
+              sampling: SamplingParams | None = None) -> list[Run]:
+    """Every prompt with every drafter (and mlx-lm), rotating the order per prompt; greedy, or
+    sampled (`sampled`).
     `warm_every_prompt` (default: on a GPU): first run each prompt once with plain decoding,
     untimed. On a GPU, MLX pays once a process for what a new shape needs (cuDNN's plan for a
     prompt's prefill, for each cache length a step reads, kernels compiled at first use: 0.3-0.5 s
@@ -214,26 +239,26 @@ def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_token
     names = list(drafters) + ([MLX_LM] if with_mlx_lm else [])
     for p in WARMUP[:warmup]:
         for n in names:
-            _one(session, drafters, n, p, min(max_tokens, 16))
+            _one(session, drafters, n, p, min(max_tokens, 16), sampling)
     if on_gpu() if warm_every_prompt is None else warm_every_prompt:
         for p in tqdm(prompts, desc="warm-up", unit=" prompt", disable=not progress):
-            run_mlx_lm(session, p, max_tokens)
+            run_mlx_lm(session, p, max_tokens, sampling)
     runs = []
     for i, p in enumerate(tqdm(prompts, desc="bench", unit=" prompt", disable=not progress)):
         order = names[i % len(names):] + names[: i % len(names)]
         for n in order:
-            runs.append(_one(session, drafters, n, p, max_tokens))
+            runs.append(_one(session, drafters, n, p, max_tokens, sampling))
     return runs
 
 
-def _one(session, drafters, name, prompt, max_tokens) -> Run:
+def _one(session, drafters, name, prompt, max_tokens, sampling=None) -> Run:
     if name == MLX_LM:
-        return run_mlx_lm(session, prompt, max_tokens)
-    return run_engine(session, drafters[name], prompt, max_tokens, label=name)
+        return run_mlx_lm(session, prompt, max_tokens, sampling)
+    return run_engine(session, drafters[name], prompt, max_tokens, label=name, sampling=sampling)
 
 
 def mismatches(runs: list[Run], reference: str = "none") -> list[str]:
-    """Prompts where a drafter's greedy tokens differ from the reference's."""
+    """Prompts where a drafter's tokens differ from the reference's."""
     ref = {r.prompt: r.tokens for r in runs if r.drafter == reference}
     out = []
     for r in runs:

@@ -292,10 +292,16 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--forced", "forced_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="Run the prompts recorded in this folder (bench --record), every drafter accepting along the "
                    "recorded streams: the speed of this model at the recorded model's acceptance (projected).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sample at this temperature (0: greedy). Each question's turns get a seed of their own, the "
+                   "same for every drafter, so every drafter's text must still equal none's; mlx-lm samples its own.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: top-p.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: top-k (0: off).")
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="With --temperature: min-p.")
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args,
-          draft_budget,
-          warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir, forced_dir):
+          draft_budget, warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir,
+          forced_dir, temperature, top_p, top_k, min_p):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -308,9 +314,19 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     from .api import Session
     from .budget import Sizer
     from .costs import cpu_name
+    from .sampling import SamplingParams
 
     if record_dir and forced_dir:
         raise CachebackError("--record and --forced do not go together (record first, then run forced)")
+    sampling = None
+    if temperature or top_p != 1.0 or top_k or min_p:
+        if not temperature:
+            raise CachebackError("--top-p, --top-k and --min-p need a --temperature above 0")
+        if record_dir or forced_dir:
+            raise CachebackError("--record and --forced are greedy: no --temperature")
+        if not 0.0 <= min_p <= 1.0:
+            raise CachebackError("--min-p must be in [0, 1]")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     recording = R.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
     if recording is not None and recording.get("fingerprint") != session.fingerprint:
@@ -341,6 +357,9 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
             "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category,
             "humaneval_prompts": humaneval_prompts,
             "prompts": sets, "categories": categories, "seed": seed}
+    if sampling is not None:
+        meta["sampling"] = (f"temperature {temperature}, top_p {top_p}, top_k {top_k}, min_p {min_p}, "
+                            "seeded per question")
     if recording is None:
         plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
                                  seed, Path(data) if data else B.DATA)
@@ -385,7 +404,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         meta["forced"] = f"projected (acceptance of {recording.get('model')})"
         runs = R.run_forced_bench(session, records, instances, warmup=warmup, with_mlx_lm=not no_mlx_lm)
     else:
-        runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm)
+        runs = B.run_bench(session, plist, instances, max_tokens, warmup=warmup, with_mlx_lm=not no_mlx_lm,
+                           sampling=sampling)
     summary = B.summarize(runs)
     click.echo(" ".join(f"{k}={v}" for k, v in meta.items()))
     click.echo(B.format_table(summary))
@@ -393,9 +413,9 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         B.save_json(runs, summary, json_out, meta)
     if plot_out:
         B.plot(summary, plot_out)
-    bad = B.mismatches([r for r in runs if recording is None or r.drafter != B.MLX_LM])  # forced: mlx-lm goes
-    # its own way
-    mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm and recording is None else []
+    own_way = recording is not None or sampling is not None  # forced, or sampled: mlx-lm goes its own way
+    bad = B.mismatches([r for r in runs if not own_way or r.drafter != B.MLX_LM])
+    mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm and not own_way else []
     if mlx_diff:
         click.echo(f"note: none's tokens differ from mlx-lm's on {sum('none ' in m for m in mlx_diff)} prompt(s)",
                    err=True)

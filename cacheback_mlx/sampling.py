@@ -1,7 +1,8 @@
 """Choosing the target model's token at every row of a verify pass.
 
-Greedy is argmax. Sampling reuses mlx-lm's sampler (temperature, top-p, top-k, min-p) and draws
-one token per row (a seeded request from keys of its seed and each token's position); the engine
+Greedy is argmax. Sampling applies mlx-lm's filters (top-p, min-p, top-k) and temperature and
+draws one token per row (a seeded request from keys of its seed and each token's position): with
+mlx-lm's samplers on a GPU, on the host on MLX's CPU device (host_sampling.py); the engine
 then follows the tree child that holds the row's token and stops at the first miss
 (sample-and-match). Each emitted token is thus a draw from the target model's own
 distribution at that position, so sampled output keeps exactly the target's distribution.
@@ -10,6 +11,7 @@ distribution at that position, so sampled output keeps exactly the target's dist
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +19,9 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from .errors import CachebackError
+from .host_sampling import host_picker
+
+HOST_SAMPLING = os.environ.get("CACHEBACK_MLX_HOST_SAMPLING", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
     if params.greedy:
         return lambda logits, first=0, tree=None: mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
+    if HOST_SAMPLING and mx.default_device() == mx.cpu:  # MLX's CPU sort and exp are slow: host_sampling.py
+        return host_picker(params.temperature, top_p, params.min_p, params.top_k, params.seed)
     if params.seed is not None:
         return seeded_picker(params, top_p)
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)

@@ -105,7 +105,7 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path, monkeypatch)
     assert len(out) == 3 * 4 and not B.mismatches(out)
     warmed = []
     run_mlx_lm = B.run_mlx_lm
-    monkeypatch.setattr(B, "run_mlx_lm", lambda s, p, n: (warmed.append(p.id), run_mlx_lm(s, p, n))[1])
+    monkeypatch.setattr(B, "run_mlx_lm", lambda s, p, n, sampling=None: (warmed.append(p.id), run_mlx_lm(s, p, n))[1])
     # on a GPU every prompt first runs once untimed (not on the CPU unless asked)
     again = B.run_bench(session, prompts[:2], {"none": drafters["none"]}, max_tokens=4, warmup=0, progress=False,
                         warm_every_prompt=True)
@@ -129,6 +129,35 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path, monkeypatch)
         cached = [c for _, _, c, _ in r.pass_log]
         assert cached[: r.turns[0]] == sorted(cached[: r.turns[0]])  # a turn's cache only grows
 
+
+
+def test_sampled_runs_give_every_drafter_the_same_text(tmp_path):
+    """With sampling each question's turns get a seed of their own (bench.sampled), the same for
+    every drafter and every run, so the lossless check still holds: every drafter's sampled text
+    equals none's; mlx-lm samples with its own sampler, seeded the same way (the same twice)."""
+    from cacheback_mlx.api import Session
+    from cacheback_mlx.sampling import SamplingParams
+
+    from conftest import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    session = Session(str(tmp_path / "t.gguf"), "none")
+    prompts = [B.Prompt("a", "qa", ["hello there"], chat=True),
+               B.Prompt("c", "multi-turn conversation", ["hi", "and then?"], chat=True)]
+    drafters = {n: session.make_drafter(n) for n in ("none", "ngram", "cacheback")}
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    out = B.run_bench(session, prompts, drafters, max_tokens=12, warmup=0, progress=False, sampling=sampling)
+    assert not B.mismatches([r for r in out if r.drafter != B.MLX_LM])
+    greedy = B.run_bench(session, prompts, {"none": drafters["none"]}, max_tokens=12, warmup=0, progress=False,
+                         with_mlx_lm=False)
+    sampled = {r.prompt: r.tokens for r in out if r.drafter == "none"}
+    assert any(sampled[r.prompt] != r.tokens for r in greedy)  # it does sample
+    again = B.run_bench(session, prompts, {"none": drafters["none"]}, max_tokens=12, warmup=0, progress=False,
+                        sampling=sampling)
+    assert {(r.prompt, r.drafter): r.tokens for r in again} == {(r.prompt, r.drafter): r.tokens for r in out
+                                                                  if r.drafter in ("none", B.MLX_LM)}
+    assert B.sampled(sampling, prompts[1], 0).seed != B.sampled(sampling, prompts[1], 1).seed
+    assert B.sampled(None, prompts[0], 0).greedy
 
 def test_stalled_passes_are_those_far_past_the_median_of_their_row_count():
     logs = [[[1, 0, 5, 8.0]] * 9 + [[1, 0, 14, 90.0]], [[8, 7, 3, 20.0], [8, 7, 11, 21.0], [8, 7, 19, 150.0]], []]

@@ -135,6 +135,30 @@ def test_bench_runs_drafter_variants_side_by_side(tmp_path):
     assert_one_line_error(bad, "KEY=VALUE")
 
 
+
+def test_bench_samples_when_given_a_temperature(tmp_path):
+    """`bench --temperature T` (with --top-p, --top-k, --min-p) samples, seeded per question, and
+    still checks every drafter against none; a filter without a temperature, or sampling with a
+    recording, is a one-line error."""
+    import json
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["what is it?"]}) + "\n")
+    r = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--prompts", "spec_bench",
+            "--per-category", "1", "--max-tokens", "8", "--warmup", "0", "--drafters", "ngram",
+            "--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.02", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "sampling=temperature 0.8, top_p 0.9, top_k 0, min_p 0.02" in r.stdout and "| mlx-lm " in r.stdout
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--top-p", "0.9")
+    assert_one_line_error(bad, "--temperature")
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--forced", str(tmp_path), "--temperature", "1")
+    assert_one_line_error(bad, "greedy")
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
+              "--top-p", "1.5")
+    assert_one_line_error(bad, "top_p")
+
 def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):
     """`bench --drafters none` sizes no passes, so it starts at once: no pass-cost measurement (on a
     GPU that is a minute of compiling and timing passes). A drafter's row still measures it."""
