@@ -3,7 +3,7 @@
 mlx-lm's samplers sort the whole vocabulary for top-p and draw Gumbel noise for every token, and
 on MLX's CPU backend a sort of 49,152 logits takes ~4 ms and an exp or a log ~12 ns an element:
 a pass of 8 rows spent ~47 ms choosing its tokens at temperature 0.7 and top-p 0.95 (a pass of
-the default model costs ~80 ms), and ~10 ms at a temperature alone (docs/BENCHMARKS.md §4).
+the default model costs ~80 ms), and ~10 ms at a temperature alone (docs/BENCHMARKS.md §18).
 Here each row is chosen with NumPy from the same filters, in mlx-lm's order and by its rules:
 
 - top-p keeps the most probable tokens until the probability above the next one reaches top_p
@@ -17,7 +17,9 @@ Here each row is chosen with NumPy from the same filters, in mlx-lm's order and 
 
 The uniform number of a seeded request comes from the hash of its seed and the token's position
 (the hash sampling.position_key makes its key of), so a position samples the same token however
-the passes are cut; an unseeded one comes from MLX's global random state. Sums are in float64.
+the passes are cut; an unseeded one comes from MLX's global random state. Sums are in float64:
+mlx-lm's top-p sums in float32, largest first, which loses the smallest probabilities' mass, so
+at top-p 0.9-0.99 it can keep a token or a few fewer at the boundary (under 0.1% of the mass).
 Used on MLX's CPU device (sampling.token_picker); CACHEBACK_MLX_HOST_SAMPLING=0 keeps mlx-lm's
 samplers there too (to measure). On a GPU the samplers stay MLX's: a sort there is cheap, and
 the host would wait for every pass.
