@@ -16,7 +16,7 @@ Here each row is chosen with NumPy from the same filters, in mlx-lm's order and 
   by inverting their cumulative sum at one uniform number: a draw from exactly that distribution.
 
 The uniform number of a seeded request comes from the hash of its seed and the token's position
-(the hash sampling.position_key makes its key of), so a position samples the same token however
+(`position_bits`, which sampling.position_key makes its key of), so a position samples the same token however
 the passes are cut; an unseeded one comes from MLX's global random state. Sums are in float64:
 mlx-lm's top-p sums in float32, largest first, which loses the smallest probabilities' mass, so
 at top-p 0.9-0.99 it can keep a token or a few fewer at the boundary (under 0.1% of the mass).
@@ -34,10 +34,14 @@ import mlx.core as mx
 import numpy as np
 
 
+def position_bits(seed: int, position: int) -> int:
+    """64 random bits for one position of a seeded request: a hash of the seed and the position."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest(), "little")
+
+
 def position_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) for one position of a seeded request (53 bits of its hash)."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+    """A uniform number in [0, 1) for one position of a seeded request (53 of its bits)."""
+    return (position_bits(seed, position) >> 11) * 2.0**-53
 
 
 def cut(logits: np.ndarray, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0) -> float:

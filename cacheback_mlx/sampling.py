@@ -10,7 +10,6 @@ distribution at that position, so sampled output keeps exactly the target's dist
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from .errors import CachebackError
-from .host_sampling import host_picker
+from .host_sampling import host_picker, position_bits
 
 HOST_SAMPLING = os.environ.get("CACHEBACK_MLX_HOST_SAMPLING", "1") != "0"
 
@@ -99,8 +98,7 @@ def top_tokens(logits: mx.array, k: int) -> mx.array:
 
 def position_key(seed: int, position: int) -> mx.array:
     """The random key of one position of a seeded request."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return mx.random.key(int.from_bytes(digest, "little"))
+    return mx.random.key(position_bits(seed, position))
 
 
 def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.array]:
