@@ -324,8 +324,6 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
             raise CachebackError("--top-p, --top-k and --min-p need a --temperature above 0")
         if record_dir or forced_dir:
             raise CachebackError("--record and --forced are greedy: no --temperature")
-        if not 0.0 <= min_p <= 1.0:
-            raise CachebackError("--min-p must be in [0, 1]")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     recording = R.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)

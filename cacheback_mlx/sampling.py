@@ -38,6 +38,8 @@ class SamplingParams:
             raise CachebackError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise CachebackError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise CachebackError("min_p must be in [0, 1]")
         if self.seed is not None and self.seed < 0:  # llama.cpp's convention: -1 = a random seed
             object.__setattr__(self, "seed", None)
         if self.seed is not None and self.seed >= 2**64:

@@ -158,6 +158,9 @@ def test_bench_samples_when_given_a_temperature(tmp_path):
     bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
               "--top-p", "1.5")
     assert_one_line_error(bad, "top_p")
+    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
+              "--min-p", "2")
+    assert_one_line_error(bad, "min_p")
 
 def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):
     """`bench --drafters none` sizes no passes, so it starts at once: no pass-cost measurement (on a
