@@ -50,6 +50,8 @@ def cut(logits: np.ndarray, top_p: float = 0.0, min_p: float = 0.0, top_k: int =
     vocab = logits.shape[-1]
     best = float(logits.max())
     lowest = -math.inf
+    if not math.isfinite(best):  # no finite best (a broken row): nothing to filter by
+        return lowest
     if 0.0 < top_p < 1.0:
         p = np.exp(logits - best)
         total = float(p.sum(dtype=np.float64))
@@ -72,8 +74,13 @@ def choose(logits: np.ndarray, uniform: float, temperature: float, top_p: float 
     exp(logit / temperature) where their running sum passes `uniform` of the whole (`draw`)."""
     lowest = cut(logits, top_p, min_p, top_k)
     kept = np.flatnonzero(logits >= lowest) if lowest > -math.inf else None  # None: every token
-    weights = np.exp(((logits if kept is None else logits[kept]) - float(logits.max())) * (1.0 / temperature))
-    i = draw(weights, uniform)
+    candidates = logits if kept is None else logits[kept]
+    with np.errstate(all="ignore"):
+        weights = np.exp((candidates - float(logits.max())) * (1.0 / temperature))
+    if not 0.0 < float(weights.sum(dtype=np.float64)) < math.inf:  # a temperature so small that 1 / it
+        i = int(np.argmax(candidates))  # overflows, or logits without a finite best: its limit, the best
+    else:
+        i = draw(weights, uniform)
     return i if kept is None else int(kept[i])
 
 

@@ -134,3 +134,14 @@ def test_the_picker_runs_on_the_host_on_the_cpu_unless_turned_off(monkeypatch):
     monkeypatch.setattr(H, "choose", None)  # not called: mlx-lm's filters and Gumbel draws instead
     assert token_picker(params)(logits, 10, tree).shape == (4,)
 
+
+
+def test_degenerate_rows_still_give_a_token():
+    """A temperature whose inverse overflows, or a row without a finite best logit, gives the best
+    token (the limit of a vanishing temperature) rather than failing."""
+    logits = np.array([0.5, 3.0, -1.0, 2.0], np.float32)
+    assert H.choose(logits, 0.9, 1e-320) == 1
+    assert H.choose(logits, 0.9, 1e-320, top_p=0.9, top_k=2) == 1
+    assert H.choose(np.full(4, -np.inf, np.float32), 0.5, 1.0) in range(4)
+    assert H.choose(np.array([1.0, np.nan, 0.0], np.float32), 0.5, 0.7) in range(3)
+    assert H.choose(np.full(4, -np.inf, np.float32), 0.5, 1.0, top_p=0.9, min_p=0.1, top_k=2) in range(4)
