@@ -40,6 +40,36 @@ def test_server_load_starts_servers_with_the_costs_it_is_given_and_refuses_a_fol
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_server_load_samples_chat_seeded_for_our_servers_only(monkeypatch):
+    """tools.server_load --temperature T --top-p P: every chat completion asks for them; ours with a
+    seed made from the text (the same in every run), mlx-lm's server with none (it runs a seeded
+    request outside its batch); greedy sends temperature 0 and no seed; infill: a one-line exit."""
+    import tools.server_load as S
+
+    sent = []
+
+    class Answer:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"choices": [{"message": {"content": "ok"}}], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}
+
+    monkeypatch.setattr(S.httpx, "post", lambda url, timeout, json: sent.append(json) or Answer())
+    monkeypatch.setitem(S.SAMPLING, "temperature", 0.7)
+    monkeypatch.setitem(S.SAMPLING, "top_p", 0.95)
+    S.chat("http://x", "hello", 8, "default")
+    S.chat("http://x", "hello", 8, "default")
+    S.chat("http://x", "hello", 8, "/some/folder")
+    assert sent[0] == sent[1] and sent[0]["temperature"] == 0.7 and sent[0]["top_p"] == 0.95
+    assert isinstance(sent[0]["seed"], int) and "seed" not in sent[2] and sent[2]["temperature"] == 0.7
+    monkeypatch.setitem(S.SAMPLING, "temperature", 0.0)
+    S.chat("http://x", "hello", 8, "default")
+    assert sent[3]["temperature"] == 0.0 and "seed" not in sent[3]
+    with pytest.raises(SystemExit, match="chat completions only"):
+        S.main(["--kind", "infill", "--temperature", "0.7"])
+
+
 def test_the_step_build_tool_times_the_three_steps(capsys):
     from tools.ab import step_build
 

@@ -13,6 +13,9 @@ costs measured into the cache folder DIR (`XDG_CACHE_HOME=DIR cacheback-mlx benc
 as a server does that has run on this machine before or been idle a while (a fresh server prices
 passes from a fitted line until it measures its table when idle, which a run of this tool never
 leaves it). `--servers` names ours by drafter, with its parameters if any ("ours auto:scores=true").
+With `--temperature T [--top-p P]` the chat completions are sampled, each with a seed made from its
+text for our servers (so ours give the same text with any drafter); mlx-lm's server gets no seed, as
+it runs a seeded request alone, outside its batch.
 Per server and client count: aggregate completion
 tokens per second (all clients' tokens / wall time until the last answer), median and worst
 latency, and whether every answer equals mlx-lm's server's (else ours `none`'s), text for text.
@@ -32,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -79,12 +83,18 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
     raise SystemExit(f"{url} not ready")
 
 
+SAMPLING = {"temperature": 0.0}  # what every chat completion asks for (--temperature, --top-p)
+
+
 def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, float, int]:
     """(the answer, its tokens, seconds, the prompt's tokens)."""
     t0 = time.perf_counter()
+    sampling = dict(SAMPLING)
+    if sampling["temperature"] > 0 and model == "default":  # ours (mlx-lm's server runs a seeded request
+        sampling["seed"] = zlib.crc32(text.encode())  # alone, outside its batch: it gets none)
     r = httpx.post(f"{url}/v1/chat/completions", timeout=1200,
                    json={"model": model, "messages": [{"role": "user", "content": text}],
-                         "max_tokens": max_tokens, "temperature": 0.0})
+                         "max_tokens": max_tokens, **sampling})
     r.raise_for_status()
     body = r.json()
     return (body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], time.perf_counter() - t0,
@@ -208,7 +218,12 @@ def main(argv=None) -> None:
                     help="run each sample on a server of its own, then send each of its requests alone to a server "
                          "of its own, every server starting from the same state (copy_cache), and report each "
                          "request's latency under load against its latency alone")
+    ap.add_argument("--temperature", type=float, default=0.0, help="chat: sample at this temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="chat, with --temperature: top-p")
     args = ap.parse_args(argv)
+    if args.temperature > 0 and args.kind != "chat":
+        raise SystemExit("--temperature: chat completions only")
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
     if args.costs:
         measured_costs(args.costs)  # before any server runs
     counts = [int(c) for c in args.clients.split(",")]
