@@ -162,6 +162,7 @@ def test_bench_samples_when_given_a_temperature(tmp_path):
               "--min-p", "2")
     assert_one_line_error(bad, "min_p")
 
+
 def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):
     """`bench --drafters none` sizes no passes, so it starts at once: no pass-cost measurement (on a
     GPU that is a minute of compiling and timing passes). A drafter's row still measures it."""

@@ -135,7 +135,6 @@ def test_the_picker_runs_on_the_host_on_the_cpu_unless_turned_off(monkeypatch):
     assert token_picker(params)(logits, 10, tree).shape == (4,)
 
 
-
 def test_degenerate_rows_still_give_a_token():
     """A temperature whose inverse overflows, or a row without a finite best logit, gives the best
     token (the limit of a vanishing temperature) rather than failing."""

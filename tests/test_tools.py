@@ -58,16 +58,19 @@ def test_server_load_samples_chat_seeded_for_our_servers_only(monkeypatch):
     monkeypatch.setattr(S.httpx, "post", lambda url, timeout, json: sent.append(json) or Answer())
     monkeypatch.setitem(S.SAMPLING, "temperature", 0.7)
     monkeypatch.setitem(S.SAMPLING, "top_p", 0.95)
-    S.chat("http://x", "hello", 8, "default")
-    S.chat("http://x", "hello", 8, "default")
+    S.chat("http://x", "hello", 8, S.OURS)
+    S.chat("http://x", "hello", 8, S.OURS)
     S.chat("http://x", "hello", 8, "/some/folder")
     assert sent[0] == sent[1] and sent[0]["temperature"] == 0.7 and sent[0]["top_p"] == 0.95
     assert isinstance(sent[0]["seed"], int) and "seed" not in sent[2] and sent[2]["temperature"] == 0.7
     monkeypatch.setitem(S.SAMPLING, "temperature", 0.0)
-    S.chat("http://x", "hello", 8, "default")
+    S.chat("http://x", "hello", 8, S.OURS)
     assert sent[3]["temperature"] == 0.0 and "seed" not in sent[3]
     with pytest.raises(SystemExit, match="chat completions only"):
         S.main(["--kind", "infill", "--temperature", "0.7"])
+    for bad in (["--temperature", "-1"], ["--temperature", "0.7", "--top-p", "1.5"]):
+        with pytest.raises(SystemExit, match="--temperature must be >= 0"):
+            S.main(bad)
 
 
 def test_the_step_build_tool_times_the_three_steps(capsys):

@@ -85,13 +85,14 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 300) -> None:
 
 
 SAMPLING = {"temperature": 0.0}  # what every chat completion asks for (--temperature, --top-p)
+OURS = "default"  # the model name requests to our servers give (mlx-lm's server: the folder it loads)
 
 
 def chat(url: str, text: str, max_tokens: int, model: str) -> tuple[str, int, float, int]:
     """(the answer, its tokens, seconds, the prompt's tokens)."""
     t0 = time.perf_counter()
     sampling = dict(SAMPLING)
-    if sampling["temperature"] > 0 and model == "default":  # ours (mlx-lm's server runs a seeded request
+    if sampling["temperature"] > 0 and model == OURS:  # ours (mlx-lm's server runs a seeded request
         sampling["seed"] = zlib.crc32(text.encode())  # alone, outside its batch: it gets none)
     r = httpx.post(f"{url}/v1/chat/completions", timeout=1200,
                    json={"model": model, "messages": [{"role": "user", "content": text}],
@@ -190,7 +191,7 @@ def serving(kind: str, folder: Path, port: int, parallel: int, cache: str):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
-        model = str(folder) if kind == "mlx-lm" else "default"  # mlx-lm's server loads the model named
+        model = str(folder) if kind == "mlx-lm" else OURS  # mlx-lm's server loads the model named
         clients(url, WARM_UP, 8, model)
         yield model
     finally:
@@ -222,6 +223,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="chat: sample at this temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="chat, with --temperature: top-p")
     args = ap.parse_args(argv)
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     if args.temperature > 0 and args.kind != "chat":
         raise SystemExit("--temperature: chat completions only")
     SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
