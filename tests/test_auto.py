@@ -588,6 +588,33 @@ def test_auto_keeps_its_learned_scores_between_runs(tmp_path):
     second.close()
 
 
+def test_drafters_on_one_store_learn_into_one_scorer_until_the_last_lets_go(tmp_path):
+    """A server's lanes each have a drafter: on one store they share one scorer (each drafts from
+    what all learned, no lane's save overwrites another's), until the last closes; drafters that
+    start differently, or keep nothing on disk, have their own."""
+    lanes = [AutoDrafter(ssd_path=tmp_path / "ssd") for _ in range(3)]
+    assert lanes[0].scorer is lanes[1].scorer is lanes[2].scorer
+    other_start = AutoDrafter(ssd_path=tmp_path / "ssd", scores=True)
+    elsewhere = AutoDrafter(ssd_path=tmp_path / "other")
+    alone = AutoDrafter(persist=False)
+    assert other_start.scorer is not lanes[0].scorer
+    assert elsewhere.scorer is not lanes[0].scorer and alone.scorer is not lanes[0].scorer
+    prior = dict(alone.scorer.w)
+    _learn_a_phrase(lanes[0], 2)
+    assert lanes[2].scorer.w != prior and elsewhere.scorer.w == prior  # learned by lane 0, seen by lane 2
+    lanes[0].close()
+    _learn_a_phrase(lanes[1], 2)  # the others still learn into it
+    learned = lanes[2].scorer.state()
+    lanes[1].close()
+    lanes[2].close()
+    saved = json.loads((tmp_path / "ssd" / "auto-scores.json").read_text())
+    assert saved == json.loads(json.dumps(learned))  # every lane's learning, saved by the last
+    again = AutoDrafter(ssd_path=tmp_path / "ssd")  # all let go: a new drafter reads the file
+    assert again.scorer is not lanes[0].scorer and again.scorer.state() == saved
+    for d in (again, other_start, elsewhere, alone):
+        d.close()
+
+
 def test_auto_starts_from_the_defaults_when_its_scores_file_is_bad_and_rewrites_it(tmp_path, caplog):
     folder = tmp_path / "ssd"
     folder.mkdir()
@@ -598,8 +625,8 @@ def test_auto_starts_from_the_defaults_when_its_scores_file_is_bad_and_rewrites_
         assert d.scorer.w == AutoDrafter(persist=False).scorer.w
         assert "cannot read the learned scores" in caplog.text
         caplog.clear()
-    _learn_a_phrase(d, 1)
-    d.close()
+        _learn_a_phrase(d, 1)
+        d.close()
     assert json.loads((folder / "auto-scores.json").read_text())["version"] == 1
 
 

@@ -17,7 +17,8 @@ carries all their evidence). Each node gets an estimate of P(accepted | parent a
 features (scorer.Scorer, learned online from every pass: what each source says, which sources
 agree, the depth, and the token itself alone and after its parent's), and its path probability is
 the product down from the root. What the scorer learned is kept beside SSD's store on disk
-(`auto-scores.json`, one per tokenizer), so a new process starts from it; a drafter that has
+(`auto-scores.json`, one per tokenizer), so a new process starts from it, and the drafters on one
+store in a process (a server's lanes) learn into one scorer (scorer.KeptScores.of); a drafter that has
 learned nothing starts from PRIOR, or with `scores=True` from the shipped scores (`shipped_scores`:
 learned on the default model's own answers, for its tokenizer; not the default: docs/BENCHMARKS.md
 §10). The tree is built
@@ -332,7 +333,6 @@ class AutoDrafter(Drafter):
         self.recycled = RECYCLED if recycle is True else int(recycle)
         self.when_wide = recycle is True  # the next-best tokens only while passes are wide
         self.rows = 0.0  # the rows of recent passes, on average (recycle)
-        self.scorer = Scorer(PRIOR)
         if scores is True:
             start = shipped_scores(fingerprint)
         elif scores is None or scores is False:
@@ -342,14 +342,25 @@ class AutoDrafter(Drafter):
                 start = read_scores(scores)[0]
             except (OSError, ValueError) as e:
                 raise CachebackError(f"auto: cannot read scores {scores}: {type(e).__name__}: {e}") from None
-        if start is not None:
-            self.scorer.load_state(start)
+
+        def starting() -> Scorer:
+            scorer = Scorer(PRIOR)
+            if start is not None:
+                scorer.load_state(start)
+            return scorer
+
         self._last: _Trie | None = None  # the last step's candidates, labelled by the next observe
         self.labelled = 0
         # What the scorer learned in earlier runs and other processes: kept beside SSD's store (one
-        # per tokenizer) when that is kept on disk, so a one-off `generate` starts from it too.
+        # per tokenizer) when that is kept on disk, so a one-off `generate` starts from it too; and
+        # every drafter on that store in this process (a server's lanes) learns into one scorer.
         self.scores_path = self.ssd.path / SCORES_FILE if self.ssd is not None and self.ssd.persist else None
-        self.kept = KeptScores(self.scores_path, self.scorer) if self.scores_path is not None else None
+        self.kept = None
+        if self.scores_path is None:
+            self.scorer = starting()
+        else:
+            self.kept = KeptScores.of(self.scores_path, starting, start=None if not scores else str(scores))
+            self.scorer = self.kept.scorer
         self.reset()
 
     # -- state ----------------------------------------------------------------------------
@@ -401,8 +412,11 @@ class AutoDrafter(Drafter):
             self.kept.request_done()
 
     def close(self) -> None:
+        """Save what the scorer learned, and let go of it (the next drafter on the store reads the
+        file once no other drafter of this process learns into it)."""
         if self.kept is not None:
-            self.kept.close()
+            self.kept.release()
+            self.kept = None
 
     def stats(self) -> dict:
         return {"labelled_nodes": self.labelled}

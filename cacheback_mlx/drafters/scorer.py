@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from itertools import repeat
 from pathlib import Path
 from typing import Callable, Hashable, Sequence
@@ -49,10 +50,10 @@ class Scorer:
     def state(self, min_uses: int = 2) -> dict:
         """The learned weights, JSON-ready: features as lists; features used fewer than
         `min_uses` times are left out (they carry little, and the file stays small)."""
-        n = self.n
+        w, n = dict(self.w), dict(self.n)  # (copies: drafters in other threads may be learning into it)
         return {"version": STATE_VERSION, "bias": self.bias, "bias_n": self.bias_n,
-                "w": [[list(f) if isinstance(f, tuple) else f, w, n.get(f, 0)]
-                      for f, w in self.w.items() if n.get(f, 0) >= min_uses or f not in n]}
+                "w": [[list(f) if isinstance(f, tuple) else f, x, n.get(f, 0)]
+                      for f, x in w.items() if n.get(f, 0) >= min_uses or f not in n]}
 
     def load_state(self, state: dict) -> None:
         """Weights saved by state(); ValueError (or KeyError / TypeError) when it is not one."""
@@ -127,7 +128,41 @@ class KeptScores:
     a temporary file renamed over the old one (readers never see half a file; of two processes
     the last to write wins), in a thread an exit waits for."""
 
+    _open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (file, start) -> its kept scores
+    _open_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, path: str | Path, starting: Callable[[], Scorer], start: Hashable = None) -> "KeptScores":
+        """The scores kept in `path`, one scorer for every drafter of this process that keeps its
+        scores there (a server's lanes, each with a drafter of its own): each drafts from what all
+        of them learned, and no lane's save overwrites the others' learning. `starting()` builds
+        the scorer where none is open (the file, when readable, then replaces its weights);
+        `start` tells apart drafters that start differently. Each drafter calls release() when
+        done; after the last one, the next drafter starts from the file again."""
+        key = (str(Path(path).resolve()), start)
+        with cls._open_lock:
+            kept = cls._open.get(key)
+            if kept is None:
+                kept = cls._open[key] = cls(path, starting())
+                kept.key = key
+            kept.users += 1
+            return kept
+
+    def release(self) -> None:
+        """A drafter of of()'s is done with these scores: they are saved, and the last drafter's
+        release lets go of them."""
+        with KeptScores._open_lock:
+            self.users -= 1
+            last = self.users <= 0
+            if last and self.key is not None and KeptScores._open.get(self.key) is self:
+                del KeptScores._open[self.key]
+        if last:
+            self.close()
+        else:
+            self.save()
+
     def __init__(self, path: str | Path, scorer: Scorer, every: float = 30.0):
+        self.key, self.users = None, 0  # of()'s
         self.path, self.scorer, self.every = Path(path), scorer, every
         self._saved_at: float | None = None  # monotonic time of the last save (None: not this run)
         self._writer: threading.Thread | None = None
