@@ -47,7 +47,7 @@ from .learning import start_request
 from .sampling import SamplingParams, token_picker, top_tokens
 from .shared_pass import batch_pass
 from .sharing import sharing
-from .slots import Sequence, choose_sequence
+from .slots import Sequence, choose_sequence, reusable
 from .tree import DraftTree, common_prefix
 from .verify import padded_size, prefill, verify_pass
 
@@ -129,11 +129,41 @@ class Batch:
         return None if self.reason else [KVStack(self.n) for _ in self.engine.seq.cache.layers]
 
     def _free_lane(self, prompt: list[int]) -> int:
-        """The free lane for `prompt`, chosen as slots are (slots.choose_sequence)."""
+        """The free lane for `prompt`: the one whose caches hold most of it, else the one used
+        longest ago, as slots are chosen (slots.choose_sequence); then, unless it was chosen for
+        what it holds, the lowest free lane takes the request instead and what that lane held moves
+        to the chosen one (_move), so no cache is lost that the choice kept. Busy lanes stay at the
+        stack's first rows: attention over the lanes reads a run of stack rows, the idle ones in
+        it too (shared_pass.PassPlan; 4 lanes of one row at rows 0, 2, 5 and 7 of 8 cost up to 1.3x
+        the same at rows 0-3 on a CPU, docs/BENCHMARKS.md §10)."""
         free = [i for i in range(self.n) if i not in self.lanes]
         if not free:
             raise CachebackError(f"all {self.n} lanes are busy")
-        return choose_sequence(self.seqs, prompt, free)
+        chosen, low = choose_sequence(self.seqs, prompt, free), min(free)
+        if (low == chosen or self.stacks is None or self.engine.seq.cache.recurrent or self.seqs[low] is None
+                or reusable(self.seqs[chosen], prompt)):
+            return chosen
+        self._move(low, chosen)
+        return low
+
+    def _move(self, src: int, dst: int) -> None:
+        """Lane src's cached tokens, what its drafter saw of them and the drafter itself go to lane
+        dst (one copy a layer, in the stack), in place of dst's; src is left with dst's drafter and
+        empty caches."""
+        a, b = self.seqs[src], self.seqs[dst]
+        if b is None:
+            b = self.seqs[dst] = Sequence(ModelCache(self.model, self.stacks, dst))
+        n = min(len(a.cached), a.cache.length)
+        for stack in self.stacks:
+            stack.keys[dst : dst + 1, :, :n] = stack.keys[src : src + 1, :, :n]
+            stack.values[dst : dst + 1, :, :n] = stack.values[src : src + 1, :, :n]
+        b.cache.take_length(n)
+        a.cache.trim(0)
+        b.cached, a.cached = a.cached[:n], []
+        a.history, b.history = b.history, a.history
+        a.learned, b.learned = b.learned, a.learned
+        a.used, b.used = b.used, a.used
+        self.drafters[src], self.drafters[dst] = self.drafters[dst], self.drafters[src]
 
     def _enter(self, prompt: list[int], context, stop, fresh: bool, now: bool = True) -> tuple[int, Stats, list[int]]:
         """Take the free lane that reuses most of the prompt and bring its caches up to it but its
@@ -141,7 +171,7 @@ class Batch:
         prompt's tokens still to prefill, its last one included. The lane's drafter (a new one with
         `fresh`) learns the prompt."""
         i = self._free_lane(prompt)
-        if self.seqs[i] is None or fresh:
+        if self.seqs[i] is None or self.drafters[i] is None or fresh:
             if self.drafters[i] is not None:
                 self.drafters[i].close()
             self.drafters[i] = self.make_drafter()

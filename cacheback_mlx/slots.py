@@ -47,6 +47,14 @@ class Sequence:
         self.history, self.learned = [], set()
 
 
+def reusable(seq: Sequence | None, prompt: list[int]) -> int:
+    """The prompt's tokens that `seq`'s caches hold (their common prefix), where that is at least
+    half of the shorter of the two (else 0): what choose_sequence takes a sequence for."""
+    toks = seq.cached if seq is not None else []
+    r = common_prefix(toks, prompt)
+    return r if 2 * r >= min(len(toks), len(prompt)) else 0
+
+
 def choose_sequence(seqs: list, prompt: list[int], among, prefer: int | None = None) -> int:
     """Of the sequences `among` (indices into seqs; None: empty), the one for `prompt`: the one
     whose cached tokens share the longest prefix with it, if that is at least half of the shorter
@@ -54,9 +62,8 @@ def choose_sequence(seqs: list, prompt: list[int], among, prefer: int | None = N
     `prefer`). How slots and a batch's lanes (batch.py) choose."""
     best, reuse = None, 0
     for i in among:
-        toks = seqs[i].cached if seqs[i] is not None else []
-        r = common_prefix(toks, prompt)
-        if r > reuse and 2 * r >= min(len(toks), len(prompt)):
+        r = reusable(seqs[i], prompt)
+        if r > reuse:
             best, reuse = i, r
     if best is not None:
         return best
