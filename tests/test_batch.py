@@ -140,28 +140,35 @@ def test_each_lane_s_drafter_hears_the_picks_of_its_own_rows():
     assert checked > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
 def test_a_new_request_takes_the_lowest_free_lane_and_what_that_lane_held_moves(family):
     """Busy lanes stay at the stack's first rows: a request that reuses no lane's caches takes
     the lowest free lane, and that lane's caches (with its drafter) move to the lane the choice
-    would have emptied, so a later request still reuses them; every output as alone."""
+    would have emptied, so a later request still reuses them; every output as alone. Lanes not in
+    one stack (recurrent layers) stay where the choice put them."""
     model = zoo.tiny_model(family)
     known = streams(model)
     eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=8)
     batch = Batch(eng, 3, lambda: KnownStreamsDrafter(known, seed=3))
-    assert batch.stacks is not None
+    movable = batch.stacks is not None and not eng.seq.cache.recurrent
+    assert movable == (family not in TURNS and not eng.seq.cache.recurrent)
     done = batch.run([dict(prompt=p, max_tokens=n) for p, n in zip(PROMPTS[:3], LENGTHS[:3])])
-    assert [lane.index for lane in done] == [0, 1, 2]
+    assert [lane.index for lane in done] == [0, 1, 2] and [lane.tokens for lane in done] == [t for _, t in known[:3]]
     for k in (0, 1):  # lanes 0 and 1 serve again (each reuses its own prompt), so lane 2 is the oldest
         follow = PROMPTS[k] + known[k][1][:3]
         again = batch.run([dict(prompt=follow, max_tokens=4)])[0]
         assert again.index == k and again.tokens == reference(model, follow, 4)
     drafter0 = batch.drafters[0]
     new = batch.join(PROMPTS[3], LENGTHS[3])  # no lane holds it: lane 2 (oldest) would be emptied
-    assert new.index == 0 and batch.drafters[2] is drafter0  # lane 0's caches and drafter went to lane 2
+    if movable:  # lane 0's caches and drafter went to lane 2
+        assert new.index == 0 and batch.drafters[2] is drafter0
+    else:
+        assert new.index == 2 and batch.drafters[0] is drafter0
     back = PROMPTS[0] + known[0][1][:3] + [5, 6]  # lane 0's last request, continued
     second = batch.join(back, 5)
-    assert second.index == 2 and second.stats.prefill_tokens <= 3  # its caches moved intact
+    assert second.index == (2 if movable else 0)
+    if movable:
+        assert second.stats.prefill_tokens <= 3  # its caches moved intact
     while batch.lanes:
         batch.step()
     assert new.tokens == known[3][1] and second.tokens == reference(model, back, 5)
