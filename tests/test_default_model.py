@@ -265,6 +265,27 @@ def test_lanes_far_apart_in_a_batch_are_lossless_on_the_default_model(default_mo
     assert cut, "no pass ran the two lanes in runs of their own"
 
 
+def test_a_lane_s_caches_moved_to_another_lane_are_lossless_on_the_default_model(default_model, plain_outputs):
+    """A request that reuses no lane's caches takes the lowest free lane, and what that lane held
+    moves to another one (batch.Batch._free_lane): a later request finds it there and prefills
+    nothing, and every output is plain greedy decoding's."""
+    from cacheback_mlx.batch import Batch
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import PriorCost
+
+    eng = Engine(default_model.model, [], make_drafter("none"), default_model.context_length)
+    eng.set_sizer(Sizer(PriorCost.for_model(default_model.model, eng.buckets)))
+    batch = Batch(eng, 2, lambda: make_drafter("auto", persist=False))
+    (a, truth_a), (b, truth_b) = plain_outputs["chat"], plain_outputs["raw"]
+    first = batch.run([dict(prompt=a, max_tokens=N // 2)])[0]
+    second = batch.run([dict(prompt=b, max_tokens=N // 2)])[0]
+    assert first.index == second.index == 0  # the first's caches moved to lane 1
+    again = batch.run([dict(prompt=a + truth_a[: N // 4], max_tokens=N // 4)])[0]
+    assert again.index == 1 and again.stats.prefill_tokens == 0
+    assert first.tokens == truth_a[: N // 2] and second.tokens == truth_b[: N // 2]
+    assert again.tokens == truth_a[N // 4 : N // 2]
+
+
 def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, plain_outputs):
     """Metal's default, forced on: plain steps start the next before their token is read, with
     `none` (the chat prompt) and with `auto` going quiet and drafting again (the raw one; every
