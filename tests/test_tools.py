@@ -81,3 +81,27 @@ def test_the_step_build_tool_times_the_three_steps(capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert all(row in out for row in ("| mlx-lm's step |", "in the kernels' pass context |", "outside it |"))
+
+
+def test_the_lane_simulator_runs_a_group_the_same_every_time():
+    """tools.ab.lane_sim: lanes over recorded streams and a cost table, no model: every lane ends
+    with its stream's tokens, the batch ends with its last lane, two runs give the same times (no
+    timing and no thread decides anything), and a lane among others takes longer than alone here
+    (every pass of two lanes costs more than a pass of one of them); an unknown policy is refused."""
+    from cacheback_mlx.costs import CostTable
+
+    from tools.ab.lane_sim import run
+
+    table = CostTable({256: {r: 0.05 + 0.001 * r for r in range(1, 257)}})
+    loop = [5, 6, 7, 8, 9, 10, 11, 12]
+    streams = [{"prompt": loop * 4 + [40 + k], "out": (loop * 8)[k : k + 40]} for k in range(2)]
+    served = [{"prompt": [1, 2, 3], "out": loop * 2}]
+    first = run(streams, served, "favour=2", table, 32)
+    assert first == run(streams, served, "favour=2", table, 32)
+    finished, total = first
+    assert all(t is not None and 0 < t <= total for t in finished) and total == max(finished)
+    alone = [run([s], served, "favour=2", table, 32)[0][0] for s in streams]
+    assert all(f > a for f, a in zip(finished, alone))
+    assert run(streams, served, "own", table, 32)[1] > 0
+    with pytest.raises(click.BadParameter, match="not a policy"):
+        run(streams, served, "fair", table, 32)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from tools.server_load import WARM_UP, copy_cache
+from tools.server_load import WARM_UP, copy_cache, measured_costs
 
 
 def run(seed: int, mode: str, clients: int, max_tokens: int, trace: bool) -> dict:
@@ -79,8 +79,10 @@ def spawn(cache: Path | str, seed: int, mode: str, clients: int, max_tokens: int
 @click.option("--max-tokens", default=128, show_default=True)
 @click.option("--trace", is_flag=True, help="print every pass of the batch runs: its seconds, the riding chunk's "
               "rows, and per lane [lane, drafts offered, their expected tokens, drafts sent, weight, tokens produced]")
+@click.option("--costs", default=None, help="a cache folder whose measured pass costs every run starts with "
+              "(XDG_CACHE_HOME=DIR cacheback-mlx bench --verify-cost), as tools.server_load's --costs")
 @click.option("--run", "one", default=None, hidden=True)
-def main(seeds: str, clients: int, max_tokens: int, trace: bool, one: str | None) -> None:
+def main(seeds: str, clients: int, max_tokens: int, trace: bool, costs: str | None, one: str | None) -> None:
     if one is not None:  # a child process
         seed, mode = one.split(":")
         print(json.dumps(run(int(seed), mode, clients, max_tokens, trace)))
@@ -88,6 +90,8 @@ def main(seeds: str, clients: int, max_tokens: int, trace: bool, one: str | None
     work = Path(tempfile.mkdtemp(prefix="lane_latency_"))
     try:
         base = work / "base"
+        if costs:
+            shutil.copytree(measured_costs(costs), base / "cacheback-mlx" / "verify-cost")
         spawn(base, 0, "warm", clients, max_tokens, False)
 
         print("| seed | aggregate tok/s | in the batch / alone, per request | median | worst | passes, batch / alone |")
