@@ -360,7 +360,7 @@ class Batch:
         riding = [(feeding.seq.cache, chunk, DraftTree([], []), len(chunk))] if chunk else []
         shared = self.reason is None and not (self.side_by_side and len(passes) == 1)
         width = max(p[3] for p in passes)  # side by side, every lane's rows in the pass
-        logits = (batch_pass(self.model, passes + riding, self.packed) if shared else
+        logits = (batch_pass(self.model, passes + riding, self.packed, read=len(passes)) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
         picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]

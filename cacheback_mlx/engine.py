@@ -33,6 +33,7 @@ from . import cores, kernels
 from .budget import Sizer
 from .drafters.base import Drafter
 from .errors import CachebackError
+from .head import prepare_head
 from .kvcache import ModelCache
 from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
@@ -204,6 +205,7 @@ class Engine:
         self.context_length = context_length
         self.seq = Sequence(ModelCache(model))  # the sequence the engine runs (its slot's)
         unplaced = prepare_positions(model)
+        prepare_head(model)  # a batch's pass runs the head on the rows it reads only (head.py)
         if kernels.on_cuda() and kernels.enabled:
             kernels.attach(model)  # verify passes' linear layers: the one-row step's bits (kernels/)
         self.position_code = unplaced[0] if unplaced else None  # a line no tree position fix covers

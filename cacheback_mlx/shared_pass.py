@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import CacheList
 
-from . import activations, attention, kernels
+from . import activations, attention, head, kernels
 from .kvcache import LaneKVCache, ModelCache, TreeKVCache
 from .positions import TreePass
 from .recurrent import LaneStates, RecurrentCache
@@ -284,12 +284,14 @@ def dense_mask(mask, rows: int, keys: int) -> mx.array:
 
 
 def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]],
-               packed: bool = False) -> list[mx.array]:
+               packed: bool = False, read: int | None = None) -> list[mx.array]:
     """ONE pass over every lane's lead + tree (padded to its rows); per lane, the logits of its
     root and nodes (verify_pass's). Each lane's caches then hold its rows past their old length,
     as after verify_pass; ModelCache.finish_pass keeps the accepted ones. Lanes with recurrent
     layers go side by side (chains, each padded to the longest lane's rows; their states end after
-    their own rows, `rows` not counting the padding). packed: see sharing.Sharing.packed."""
+    their own rows, `rows` not counting the padding). packed: see sharing.Sharing.packed. read:
+    only the first `read` passes' logits are wanted (the others, prompt chunks riding, fill their
+    caches only): the model's head runs on those rows alone where it can (head.py)."""
     caches = [p[0] for p in passes]
     side_by_side = bool(caches[0].recurrent)
     width = max(p[3] for p in passes)
@@ -319,8 +321,12 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
     tree_pass = caches[0].tree_pass  # the model's: its RoPE modules read every row's position from it
     tree_pass.set(mx.array(np.concatenate(positions)), None)
     inputs = mx.array(np.stack(tokens)) if side_by_side else mx.array(np.concatenate(tokens))[None]
+    wanted = [(a + len(lead) - 1, a + len(lead) + len(tree)) for (a, _), (_, lead, tree, _) in zip(spans, passes)]
+    wanted = wanted[:read] if read is not None else wanted
+    kept = np.concatenate([np.arange(lo, hi) for lo, hi in wanted]) if wanted else np.zeros(0, np.int64)
+    some = read is not None and read < len(passes) and not side_by_side  # riders: the head skips their rows
     try:
-        with activations.engine_pass(), kernels.rows_pass():
+        with activations.engine_pass(), kernels.rows_pass(), head.keep_rows(mx.array(kept) if some else None):
             logits = model(inputs, cache=views)
         for view in states:
             view.give_back()
@@ -330,8 +336,10 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
         # the next pass's writes into the stack would then copy all of it instead of writing in place
     if side_by_side:
         return [logits[i, len(lead) - 1 : len(lead) + len(tree)] for i, (_, lead, tree, _) in enumerate(passes)]
-    return [logits[0, a + len(lead) - 1 : a + len(lead) + len(tree)]
-            for (a, _), (_, lead, tree, _) in zip(spans, passes)]
+    if some and logits.shape[1] == len(kept):  # the head ran on the wanted rows alone, in order
+        at = np.cumsum([0] + [hi - lo for lo, hi in wanted])
+        return [logits[0, at[k] : at[k + 1]] for k in range(len(wanted))]
+    return [logits[0, lo:hi] for lo, hi in wanted]
 
 
 def _view(layers: list, plan: PassPlan, rows: list[int], states: list[LaneStates]):

@@ -84,7 +84,7 @@ def _rows_class(m: nn.Module, base: type, rows: type):
     return None
 
 
-def _as(cls, module: nn.Module) -> nn.Module:
+def as_class(cls, module: nn.Module) -> nn.Module:
     """The same module (its parameters and state, by the same names) as an instance of cls."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
@@ -105,17 +105,17 @@ def convert(model: nn.Module) -> list:
             return m
         if _rows_class(m, nn.Linear, RowsLinear) and "bias" not in m:
             kinds.append(m["weight"].dtype)
-            return _as(_rows_class(m, nn.Linear, RowsLinear), m)
+            return as_class(_rows_class(m, nn.Linear, RowsLinear), m)
         if _rows_class(m, nn.Linear, RowsBiasedLinear):
             kinds.append(("biased", m["weight"].dtype))
-            return _as(_rows_class(m, nn.Linear, RowsBiasedLinear), m)
+            return as_class(_rows_class(m, nn.Linear, RowsBiasedLinear), m)
         if _rows_class(m, nn.Embedding, RowsEmbedding):
             kinds.append(m["weight"].dtype)
-            return _as(_rows_class(m, nn.Embedding, RowsEmbedding), m)
+            return as_class(_rows_class(m, nn.Embedding, RowsEmbedding), m)
         for base, rows in ((nn.QuantizedLinear, RowsQuantizedLinear), (nn.QuantizedEmbedding, RowsQuantizedEmbedding)):
             if _rows_class(m, base, rows) and _quantized_kind(m) is not None:
                 kinds.append(_quantized_kind(m))
-                return _as(_rows_class(m, base, rows), m)
+                return as_class(_rows_class(m, base, rows), m)
         return m
 
     leaves = tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module)

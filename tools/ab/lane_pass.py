@@ -114,7 +114,7 @@ def main(model, context, layouts, repeats, ride, turns):
                 t0 = time.perf_counter()
                 if riding:
                     riders = [(rider, chunk, DraftTree([], []), ride)]
-                    mx.eval(batch_pass(batch.model, passes + riders, batch.packed), rider.arrays())
+                    mx.eval(batch_pass(batch.model, passes + riders, batch.packed, read=len(passes)), rider.arrays())
                 else:
                     mx.eval(batch_pass(batch.model, passes, batch.packed))
                     prefill(batch.model, rider, chunk, ride)
