@@ -3,10 +3,11 @@ recorded greedy streams (the default model's) run as lanes of one batch, all joi
 `auto` drafting as in a server (one store and one scorer for every lane), the pass's rows shared
 out by batch_plan.share over batch_plan.LaneCosts, and each lane accepting along its recorded
 stream. A pass is priced by a measured cost table (its rows in all, at the lanes' mean context)
-times a lane factor (FACTOR: 4 lanes of one row 1.17x the solo price of 4 rows, as measured here,
+times a lane factor (lane_factor: 4 lanes of one row 1.17x the solo price of 4 rows, as measured here,
 docs/BENCHMARKS.md §10), which LaneCosts learns as in a server; a prompt goes in chunks of CHUNK
 tokens, each a pass of its own at the table's price, the fewest tokens left first (Batch's rule;
-on a CPU a chunk riding in the lanes' pass costs what the two cost apart). Each request's finish
+on a CPU a chunk riding in the lanes' pass costs about what the two cost apart, 7-9% less since
+the output head skips its rows: §10). Each request's finish
 time in the batch over its finish time alone (the same state: the store holds the same served
 streams), per group: the worst and the median request, and the batch's tokens per second.
 
