@@ -286,6 +286,29 @@ def test_a_lane_s_caches_moved_to_another_lane_are_lossless_on_the_default_model
     assert again.tokens == truth_a[N // 4 : N // 2]
 
 
+def test_a_prompt_riding_in_the_lanes_pass_is_lossless_on_the_default_model(default_model, plain_outputs):
+    """A prompt that joins while another lane decodes rides in its passes a chunk at a time, the
+    output head skipping the chunk's rows (head.py): both outputs are plain greedy decoding's."""
+    from cacheback_mlx.batch import Batch
+    from cacheback_mlx.budget import Sizer
+    from cacheback_mlx.costs import PriorCost
+
+    eng = Engine(default_model.model, [], make_drafter("none"), default_model.context_length)
+    eng.set_sizer(Sizer(PriorCost.for_model(default_model.model, eng.buckets)))
+    eng.prefill_chunk = 8
+    batch = Batch(eng, 2, lambda: make_drafter("auto", persist=False), ride=True)
+    (a, truth_a), (b, truth_b) = plain_outputs["chat"], plain_outputs["raw"]
+    first = batch.join(a, N // 2)
+    while first.prefilling or len(first.tokens) < 2:
+        batch.step()
+    second = batch.join(b, N // 2)
+    rode = batch.rode
+    while batch.lanes:
+        batch.step()
+    assert batch.rode - rode == -(-(len(b) - 1) // 8) > 0  # every chunk of the second prompt rode
+    assert first.tokens == truth_a[: N // 2] and second.tokens == truth_b[: N // 2]
+
+
 def test_plain_steps_run_ahead_are_lossless_on_the_default_model(default_model, plain_outputs):
     """Metal's default, forced on: plain steps start the next before their token is read, with
     `none` (the chat prompt) and with `auto` going quiet and drafting again (the raw one; every
