@@ -323,8 +323,8 @@ def batch_pass(model, passes: list[tuple[ModelCache, list[int], DraftTree, int]]
     inputs = mx.array(np.stack(tokens)) if side_by_side else mx.array(np.concatenate(tokens))[None]
     wanted = [(a + len(lead) - 1, a + len(lead) + len(tree)) for (a, _), (_, lead, tree, _) in zip(spans, passes)]
     wanted = wanted[:read] if read is not None else wanted
-    kept = np.concatenate([np.arange(lo, hi) for lo, hi in wanted]) if wanted else np.zeros(0, np.int64)
-    some = read is not None and read < len(passes) and not side_by_side  # riders: the head skips their rows
+    some = read is not None and 0 < read < len(passes) and not side_by_side  # riders: the head skips theirs
+    kept = np.concatenate([np.arange(lo, hi) for lo, hi in wanted]) if some else None
     try:
         with activations.engine_pass(), kernels.rows_pass(), head.keep_rows(mx.array(kept) if some else None):
             logits = model(inputs, cache=views)
