@@ -105,3 +105,12 @@ def test_the_lane_simulator_runs_a_group_the_same_every_time():
     assert run(streams, served, "own", table, 32)[1] > 0
     with pytest.raises(click.BadParameter, match="not a policy"):
         run(streams, served, "fair", table, 32)
+
+
+def test_the_lane_simulator_refuses_a_folder_without_costs_in_one_line(tmp_path):
+    """tools.ab.lane_sim --costs DIR: a folder holding no measured pass costs stops it at once
+    with one line and a non-zero exit, as tools.server_load does."""
+    out = subprocess.run([sys.executable, "-m", "tools.ab.lane_sim", "--costs", str(tmp_path), "--groups", "1"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode != 0 and "no measured pass costs" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

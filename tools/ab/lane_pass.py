@@ -42,7 +42,8 @@ def parse(layout: str) -> tuple[list[int], list[int]]:
 @click.option("--layouts", default="1x8;2x8;3x8;9+1x7;16+1x7;5x2+1x6;3x5+1x3")
 @click.option("--repeats", default=7)
 @click.option("--ride", default=0, help="also time a prefill chunk of this many tokens riding in each layout's pass, "
-              "against the chunk in a pass of its own plus the layout's pass (batch_plan.Riding's two ways)")
+              "against the chunk in a pass of its own plus the layout's pass (batch_plan.Riding's two ways), and "
+              "riding with the output head on every row, the chunk's too (as before head.py)")
 @click.option("--turns", is_flag=True, help="also time the lanes' passes of their own, one after another")
 def main(model, context, layouts, repeats, ride, turns):
     from cacheback_mlx.api import Session
@@ -104,29 +105,33 @@ def main(model, context, layouts, repeats, ride, turns):
         return
     rider, chunk = lanes[-1].seq.cache, rng.integers(100, vocab, ride).tolist()
     print(f"\nA {ride}-token prefill chunk (a lane with {context} cached tokens); median of {repeats}")
-    print("| rows by lane | riding in the pass ms | chunk alone + the pass ms | riding / apart |")
-    print("|---|---:|---:|---:|")
+    print("| rows by lane | riding in the pass ms | riding, the head on every row ms | chunk alone + the pass ms "
+          "| riding / apart | head on the lanes' rows / on every row |")
+    print("|---|---:|---:|---:|---:|---:|")
+    ways = ("riding", "riding, head on all", "apart")  # the second: batch_pass as before head.py skipped the chunk
     for rows, at in shapes:
-        times = {True: [], False: []}
+        times = {w: [] for w in ways}
         for _ in range(repeats + 2):
-            for riding in (True, False):
+            for way in ways:
                 passes = [(lanes[k].seq.cache, lanes[k].seq.lead, chain(r), r) for k, r in zip(at, rows)]
                 t0 = time.perf_counter()
-                if riding:
+                if way != "apart":
                     riders = [(rider, chunk, DraftTree([], []), ride)]
-                    mx.eval(batch_pass(batch.model, passes + riders, batch.packed, read=len(passes)), rider.arrays())
+                    read = len(passes) if way == "riding" else None  # None: every row's logits, the chunk's too
+                    mx.eval(batch_pass(batch.model, passes + riders, batch.packed, read=read), rider.arrays())
                 else:
                     mx.eval(batch_pass(batch.model, passes, batch.packed))
                     prefill(batch.model, rider, chunk, ride)
-                times[riding].append(time.perf_counter() - t0)
+                times[way].append(time.perf_counter() - t0)
                 for k in at:
                     lanes[k].seq.cache.finish_pass([0], False)
-                if riding:
+                if way != "apart":
                     rider.finish_pass([], False)
                 else:
                     rider.trim(rider.length - ride)
-        on, apart = (float(np.median(times[w][2:])) * 1e3 for w in (True, False))
-        print(f"| {rows} | {on:.1f} | {apart:.1f} | {on / apart:.2f} |", flush=True)
+        on, all_rows, apart = (float(np.median(times[w][2:])) * 1e3 for w in ways)
+        print(f"| {rows} | {on:.1f} | {all_rows:.1f} | {apart:.1f} | {on / apart:.2f} | {on / all_rows:.3f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
