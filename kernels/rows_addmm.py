@@ -6,8 +6,8 @@ another order, for a pass of several rows. No kernel of ours can follow cuBLAS's
 row of the pass goes through its own one-row call, [1, 1, K] as the step's, which gives the step's
 bits at the cost of reading the weight once a row (the planner prices passes from their measured
 cost, so it sends fewer rows where that costs too much). Not a kernel: plain MLX, on CUDA in
-float16/bfloat16 where `check` finds the step's bits on the machine (Qwen2's and gpt-oss's attention
-projections carry biases).
+float16/bfloat16, and float32 (whose products MLX's CUDA backend runs without TF32 here), where `check`
+finds the step's bits on the machine (Qwen2's and gpt-oss's attention projections carry biases).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 MAX_ROWS = 64
-DTYPES = (mx.float16, mx.bfloat16)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def rows_addmm(x: mx.array, w: mx.array, b: mx.array) -> mx.array:
@@ -41,6 +41,7 @@ def check(dtype, rows=CHECK_ROWS, shapes=CHECK_SHAPES, seed: int = 0) -> tuple[b
         b = mx.random.normal((n,), key=mx.random.key(seed + n)).astype(dtype)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.key(seed + n * 7919 + k + 100 + r)).astype(dtype)
-            if not mx.all(rows_addmm(x, w, b).view(mx.uint16) == reference(x, w, b).view(mx.uint16)).item():
+            bits = mx.uint32 if dtype == mx.float32 else mx.uint16
+            if not mx.all(rows_addmm(x, w, b).view(bits) == reference(x, w, b).view(bits)).item():
                 return False, f"{r} rows of [{n}, {k}] differ from the one-row step's bits"
     return True, "rows taken one at a time have the one-row step's bits"

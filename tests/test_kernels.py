@@ -633,6 +633,20 @@ def test_biased_rows_go_one_at_a_time_through_the_step_s_call(monkeypatch):
     assert calls == [(1, 1, 64)]
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_biased_rows_check_compares_each_dtype_s_own_bits(dtype):
+    """Every dtype of rows_addmm.DTYPES (float32 too: a tiny float32 model's biased layers on CUDA) is
+    checked bit for bit at its own width; here on the CPU rows taken in place equal rows copied out."""
+    from cacheback_mlx.kernels import rows_addmm
+
+    assert dtype in rows_addmm.DTYPES
+    ok, reason = rows_addmm.check(dtype, rows=(2, 3), shapes=((24, 64),))
+    assert ok, reason
+    x = mx.random.normal((3, 64), key=mx.random.key(1)).astype(dtype)
+    w, b = mx.ones((24, 64), dtype), mx.zeros((24,), dtype)
+    assert rows_addmm.rows_addmm(x, w, b).dtype == dtype
+
+
 def test_a_first_use_check_runs_once_and_a_broken_one_is_off_with_one_line(capsys):
     store, calls = {}, []
     assert not kernels._once(store, "k", lambda: calls.append(1) or (False, "bits differ"), "thing off")

@@ -24,8 +24,8 @@
 #   6. `doctor --model default --rounding` (and the 4-bit model; and with the kernels off): the
 #      backend, the kernels, the prompt layout, which dtypes are exact, and how far a chain pass's
 #      logits lie from one-token steps' in float16;
-#   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0), and with plain steps running
-#      ahead (CACHEBACK_MLX_RUN_AHEAD=1; off by default on CUDA until such a bench shows it pays);
+#   7. the default model's bench with the kernels off (CACHEBACK_MLX_KERNELS=0), and with plain steps not
+#      running ahead (CACHEBACK_MLX_RUN_AHEAD=0; on by default on a GPU since such a bench showed it pays);
 #   8. what a step and a pass of 1-64 rows cost to build and to run (tools.ab.step_time);
 #   9. a step and passes of 2 and 8 rows with each layer's q/k/v and gate/up projections as one product
 #      (tools.ab.fused_proj: fewer launches; bits and time);
@@ -42,7 +42,8 @@
 # LIMIT (seconds a step may run, default 240), TOTAL (no step runs past this many seconds from the
 # start, default 3600), STEPS (the steps to run, by the names of their logs, in that order; default
 # all of them in the order above), LIMIT_<step> (that step's own limit; LIMIT_forced_8b_q4 is 300 unless
-# set: building the 8B model, measuring its pass costs and 17 questions three ways took past 150 s).
+# set: building the 8B model, measuring its pass costs and 17 questions three ways took past 150 s;
+# LIMIT_kernel_tests is 150 unless set: tests/test_kernels.py took 94 s alone on an H200).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-cuda_checks}
@@ -53,6 +54,7 @@ TOKENS=${TOKENS:-128}
 LIMIT=${LIMIT:-240}
 TOTAL=${TOTAL:-3600}
 LIMIT_forced_8b_q4=${LIMIT_forced_8b_q4:-300}  # building the 8B model and its pass-cost table come first
+LIMIT_kernel_tests=${LIMIT_kernel_tests:-150}
 
 step() {  # step NAME COMMAND...: run it under the limit, keep its log, show its end
     local name=$1
@@ -146,9 +148,10 @@ run_doctor_q4() { step doctor_q4 "$PY" -m cacheback_mlx.cli doctor --model "$Q4"
 run_doctor_kernels_off() {
     step doctor_kernels_off env CACHEBACK_MLX_KERNELS=0 "$PY" -m cacheback_mlx.cli doctor --model default --rounding
 }
-run_bench_float16_run_ahead() {  # plain steps run ahead (off by default on CUDA): the A/B that decides it
-    CACHEBACK_MLX_RUN_AHEAD=1 step bench_float16_run_ahead "$PY" "${BENCH[@]}" --json "$OUT/bench_float16_run_ahead.json"
-    slow_passes bench_float16_run_ahead
+run_bench_float16_no_run_ahead() {  # plain steps not run ahead (on by default on a GPU): the A/B that keeps it
+    CACHEBACK_MLX_RUN_AHEAD=0 step bench_float16_no_run_ahead "$PY" "${BENCH[@]}" \
+        --json "$OUT/bench_float16_no_run_ahead.json"
+    slow_passes bench_float16_no_run_ahead
 }
 run_bench_float16_kernels_off() {
     CACHEBACK_MLX_KERNELS=0 step bench_float16_kernels_off "$PY" "${BENCH[@]}" \
@@ -166,7 +169,7 @@ run_startup_profile() {
 }
 
 ALL="kernel_check kernel_tests gpu_rows gpu_rows_q4 bench_float16 bench_recycle bench_bfloat16 bench_8b_q4 verify_cost_8b_q4 forced_8b_q4
-     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off bench_float16_run_ahead step_time fused_proj startup_profile"
+     verify_cost_8b_bf16 doctor doctor_q4 doctor_kernels_off bench_float16_kernels_off bench_float16_no_run_ahead step_time fused_proj startup_profile"
 for name in ${STEPS:-$ALL}; do
     if ! declare -F "run_$name" > /dev/null; then
         echo "unknown step: $name (known: $(echo $ALL))" >&2
