@@ -38,6 +38,7 @@ from .kvcache import ModelCache
 from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
+from .run_ahead import RunAhead
 from .sampling import SamplingParams, token_picker, top_tokens
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix, forced_picks
@@ -181,11 +182,7 @@ class Engine:
 
     prefill_chunk: int | None = None  # tokens a prefill pass takes at most (None: per backend);
     # a stop is heard between chunks
-    # plain steps run ahead only after this many passes in a row without drafts: each time the
-    # drafter drafts again, the step already started costs it a pass. On recorded prompts with
-    # `auto` and a GPU-like cost table, running ahead at once cost 18% more passes, after 4 quiet
-    # passes 2.5%, after 8 0.2%, still running ahead 27% as many steps (`python -m tools.ab.run_ahead`)
-    RUN_AHEAD_QUIET = 8
+    RUN_AHEAD_QUIET = 8  # plain passes in a row before a step runs ahead while drafts are common (run_ahead.py)
 
     def __init__(self, model, eos_ids: Seq[int], drafter: Drafter, context_length: int,
                  draft_budget: int | None = None, buckets: tuple[int, ...] | None = None,
@@ -234,10 +231,11 @@ class Engine:
         """Whether a plain step starts the next one before its token is read (see generate). It
         pays where the device runs a step while Python builds the next one (mlx-lm's loop does the
         same): on an H200 the default model's plain steps went from 0.86x mlx-lm's speed to 1.00x
-        (docs/BENCHMARKS.md §15); on the CPU at real sizes it gains nothing measurable. It starts after RUN_AHEAD_QUIET
-        plain passes in a row, so it costs the drafter little where it gains nothing.
-        None: run_ahead_default()."""
+        (docs/BENCHMARKS.md §15); on the CPU at real sizes it gains nothing measurable. It starts
+        after RUN_AHEAD_QUIET plain passes in a row, or after one where drafts are rare
+        (run_ahead.RunAhead). None: run_ahead_default()."""
         self.run_ahead = run_ahead_default() if on is None else bool(on)
+        self.ahead_rule = RunAhead(self.RUN_AHEAD_QUIET)
 
     def watch(self, fn) -> "callable":
         """Call fn(PassEvent) after every pass from now on (tools and tests that look at what the
@@ -469,7 +467,7 @@ class Engine:
             self._start(prompt, context, slot, stop, tail=not self.prompt_as_mlx_lm)
             seq = self.seq  # the sequence this request runs in (its slot's)
             ahead = None  # a plain step already running over seq.lead: its logits
-            quiet = 0  # passes in a row the drafter had nothing worth sending for
+            self.ahead_rule.start()  # counts passes in a row the drafter had nothing worth sending for
             t_start = time.perf_counter()
             try:
                 while stats.tokens < max_tokens:
@@ -485,7 +483,7 @@ class Engine:
                     tree, size = plan.plan(tree, len(lead), len(seq.cached))  # the nodes sent, the rows run
                     stats.draft_s += time.perf_counter() - t0
                     drafts = len(tree) > 0 or size > len(lead)  # worth more than a plain step
-                    quiet = 0 if drafts else quiet + 1
+                    self.ahead_rule.passed(drafts)
                     # verify: lead + draft in one pass (or the plain step over lead that already runs)
                     t0 = time.perf_counter()
                     if ahead is not None:
@@ -498,7 +496,7 @@ class Engine:
                     best = self.drafter.alternatives if forced is None else 0
                     tops = top_tokens(logits, 1 + best) if best > 0 else None
                     read = [picks] if tops is None else [picks, tops]
-                    if (ahead_ok and quiet >= self.RUN_AHEAD_QUIET and size == len(lead) == 1  # (no drafts)
+                    if (ahead_ok and self.ahead_rule.ready() and size == len(lead) == 1  # (no drafts)
                             and stats.tokens + 1 < max_tokens):
                         # a plain step after quiet ones: keep its row, and start the next plain step
                         # over its token before that token is read, so the device never waits for

@@ -44,6 +44,7 @@ class ReplayResult:
     draft_seconds: float  # time spent in propose + observe
     max_tree: int  # largest tree proposed
     pass_seconds: float = 0.0  # with a sizer: what the passes would cost by its cost table
+    ahead: int = 0  # plain steps that ran ahead (replay's `ahead`)
 
     @property
     def mat(self) -> float:
@@ -52,43 +53,54 @@ class ReplayResult:
 
 
 def replay(drafter: Drafter, prompt: Sequence[int], output: Sequence[int], budget: int = 96,
-           sizer=None, clock=None) -> ReplayResult:
+           sizer=None, clock=None, ahead=None) -> ReplayResult:
     """Run `drafter` over prompt -> output as the engine would; count passes and accepted tokens.
     sizer (budget.Sizer): size each pass as the engine's per-step budget does, `budget` the cap.
     clock(rows, context) -> seconds: what a pass "really" costs; each pass is priced by it and
     reported to the sizer as the engine reports a measured pass (default: the sizer's own price,
-    nothing reported); without a sizer, each fixed-budget pass is priced by it too."""
+    nothing reported); without a sizer, each fixed-budget pass is priced by it too.
+    ahead (run_ahead.RunAhead): plain steps run ahead as the engine's do where it says so (on a
+    GPU): the pass after one that started a step is that plain step, whatever was drafted for it,
+    and the clock prices it as clock(0, context)."""
     t0 = time.perf_counter()
     drafter.observe(prompt)
     observe_s = time.perf_counter() - t0
-    r = decode(drafter, list(prompt), output, budget, sizer, clock)
+    r = decode(drafter, list(prompt), output, budget, sizer, clock, ahead)
     r.draft_seconds += observe_s
     return r
 
 
 def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: int = 96,
-           sizer=None, clock=None) -> ReplayResult:
+           sizer=None, clock=None, ahead=None) -> ReplayResult:
     """replay() once the drafter has seen `history` (extended in place with the output)."""
     draft_s = 0.0
-    pos = steps = max_tree = 0
+    pos = steps = max_tree = ran_ahead = 0
     pass_s = 0.0
+    started = False  # the pass before started a plain step, which takes this pass's place
+    if ahead is not None:
+        ahead.start()
     while pos < len(output):
         t0 = time.perf_counter()
         limit = min(budget, len(output) - pos - 1)  # as the engine: the last token is a pass's own
         cap = limit if sizer is None else min(limit, sizer.cap(limit, len(history)))
         tree = drafter.propose(history, cap) if cap > 0 else DraftTree.empty()
+        rows = 1 + len(tree)
         if sizer is not None:
             sizer.drafted(cap, time.perf_counter() - t0)  # as the engine reports it
             tree = sizer.choose(tree.truncate(cap), 1, len(history))
             rows = sizer.pass_rows(1 + len(tree), len(history))
-            if clock is None:
-                pass_s += sizer.price(rows, len(history))
-            else:
-                pass_s += (seconds := clock(rows, len(history)))
-                sizer.timed(rows, len(history), seconds)
-        elif clock is not None:  # a fixed budget's pass, priced the same way
-            pass_s += clock(1 + len(tree), len(history))
         draft_s += time.perf_counter() - t0
+        if ahead is not None:
+            ahead.passed(rows > 1)
+            if started:
+                tree, rows, started = DraftTree.empty(), 0, False
+                ran_ahead += 1
+        if clock is not None:
+            pass_s += (seconds := clock(rows, len(history)))
+            if sizer is not None:
+                sizer.timed(max(rows, 1), len(history), seconds)
+        elif sizer is not None:
+            pass_s += sizer.price(max(rows, 1), len(history))
         if len(tree) > budget:
             raise AssertionError(f"{drafter.name} proposed {len(tree)} > budget {budget} tokens")
         max_tree = max(max_tree, len(tree))
@@ -102,11 +114,12 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
         history.extend(accepted)
         pos += len(accepted)
         steps += 1
+        started = ahead is not None and rows <= 1 and ahead.ready() and pos < len(output)
         t0 = time.perf_counter()
         drafter.observe(accepted)
         drafter.recycle(picks)
         draft_s += time.perf_counter() - t0
-    return ReplayResult(pos, steps, draft_s, max_tree, pass_s)
+    return ReplayResult(pos, steps, draft_s, max_tree, pass_s, ran_ahead)
 
 
 def load_streams(folder: Path = SHARED_STREAMS) -> list[dict]:

@@ -494,12 +494,13 @@ def test_plain_steps_run_ahead_and_stay_exact(family):
         if label == "none":
             assert eng.stats.ahead == N - 1, name  # all but the first
     assert run(model, Intermittent(PROMPT, truth), engine=eager(NoDrafter(), on=False))[1].stats.ahead == 0
-    # the default waits for RUN_AHEAD_QUIET quiet passes: ahead only at the end of the long quiet
-    # stretch (tokens 7 to 6 + q), and the drafter speaks again while that step runs
+    # the default rule (run_ahead.RunAhead, tested in tests/test_run_ahead.py) waits for
+    # RUN_AHEAD_QUIET quiet passes at first, then for one once drafts are rare; the drafter speaks
+    # again while a step runs ahead (tokens 7 + q, 8 + q)
     q = Engine.RUN_AHEAD_QUIET
     late = Intermittent(PROMPT, truth, on=(3, 5, 7 + q, 8 + q), length=1)  # a pass per 1 or 2 tokens
     out, eng = run(model, late, draft_budget=16, run_ahead=True)
-    assert out == truth and 0 < eng.stats.ahead <= 2, (name, eng.stats.ahead)
+    assert out == truth and 0 < eng.stats.ahead < N - q, (name, eng.stats.ahead)
     assert run(model, NoDrafter(), draft_budget=16, run_ahead=True)[1].stats.ahead == N - q, name
     # EOS: generation stops there; the step already started past it leaves no trace
     k = next(i for i in range(5, N) if truth[i] not in truth[:i])
