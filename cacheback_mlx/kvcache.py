@@ -99,6 +99,18 @@ class TreeKVCache(KVCache):
 
     def trim_to(self, length: int) -> None:
         self.offset = min(self.offset, length)
+        self.fit()
+
+    def fit(self) -> None:
+        """Cut the buffers to the length plain decoding's would have at this offset (the multiple
+        of `step` at or above it) where a pass that grew them was rolled back: MLX's CUDA backend
+        rounds a step's attention over the first keys of a longer buffer otherwise than over those
+        of one of that length (docs/BENCHMARKS.md §15), and mlx-lm's step sees the latter. The
+        cut copies the kept positions into buffers of their own (a slice would keep the stride)."""
+        want = max(1, -(-self.offset // self.step)) * self.step
+        if self.keys is not None and self.keys.shape[2] > want:
+            self.keys = mx.contiguous(self.keys[..., :want, :])
+            self.values = mx.contiguous(self.values[..., :want, :])
 
     def move_rows(self, src: mx.array, dst: mx.array) -> None:
         """Copy the K/V at absolute positions src to positions dst."""
@@ -162,6 +174,9 @@ class WindowKVCache(TreeKVCache):
 
     def can_trim_to(self, length: int) -> bool:
         return length >= self.offset or self.start == 0 or length - (self.window - 1) >= self.start
+
+    def fit(self) -> None:
+        """Nothing: this buffer is laid out by its own eviction, not as plain decoding's."""
 
     def clear(self) -> None:
         super().clear()
