@@ -241,6 +241,8 @@ class Sizer:
         self.tried = 0  # passes sent at the runner-up size
         self.factors: dict[tuple[int, int], float] = {}  # PassTimes.key -> learned factor on the table's price
         self.draft_rate: float | None = None  # seconds the drafter takes per draft token asked (recent)
+        self.steps: dict[bool, float] = {}  # recent seconds of a plain step, by whether it ran ahead
+        self.ahead_share = 0.0  # of recent passes, those that ran ahead
 
     def lane(self) -> Sizer:
         """A sizer for one lane of a batch (batch.py): it learns acceptance into this sizer's
@@ -268,12 +270,17 @@ class Sizer:
         if self.learn and self.cost.observe(rows, context, seconds):
             self._relearn()
 
-    def timed(self, rows: int, context: int, seconds: float) -> None:
+    def timed(self, rows: int, context: int, seconds: float, ahead: bool = False) -> None:
         """A pass of `rows` rows (as run, padding included) over `context` cached tokens took
         `seconds`; every RELEARN passes the prices are corrected from these (PassTimes). A prior
-        is refitted to them too (costs.PriorCost), and the corrections then start over."""
+        is refitted to them too (costs.PriorCost), and the corrections then start over.
+        ahead: a plain step that started before the last pass's token was read (Engine.set_run_ahead)."""
         if not self.learn or seconds <= 0:
             return
+        self.ahead_share += 0.05 * (float(ahead) - self.ahead_share)
+        if rows == 1:
+            last = self.steps.get(ahead)
+            self.steps[ahead] = seconds if last is None else last + 0.05 * (seconds - last)
         if self.cost.observe(rows, context, seconds):
             self._relearn()
         self.times.add(rows, context, seconds / self.cost.cost(rows, context))
@@ -383,13 +390,29 @@ class Sizer:
             rate = seconds / asked
             self.draft_rate = rate if self.draft_rate is None else self.draft_rate + 0.1 * (rate - self.draft_rate)
 
+    def ahead_saving(self) -> float:
+        """What a pass with drafts costs beside its own time where plain steps run ahead
+        (Engine.set_run_ahead): the plain step after it cannot have started early
+        (run_ahead.RunAhead), so it forgoes what running ahead saves a step (recent seconds of a
+        plain step without, less with), as often as recent passes ran ahead. 0 until both were
+        timed. On the recorded streams priced by an H200's costs (`python -m tools.ab.run_ahead`)
+        this took `auto` from 0.987x / 0.989x `none`'s speed to 0.994x / 0.994x (docs/BENCHMARKS.md §15)."""
+        if len(self.steps) < 2:
+            return 0.0
+        return max(0.0, self.steps[False] - self.steps[True]) * self.ahead_share
+
     def choose(self, tree: DraftTree, lead: int, context: int) -> DraftTree:
-        """The first n nodes of the tree, n chosen for the most expected tokens per second."""
+        """The first n nodes of the tree, n chosen for the most expected tokens per second (a pass
+        with drafts priced with ahead_saving on top)."""
         if not len(tree):
             return tree
         tree, scores, cells = self.offer(tree, lead)
         costs = self.costs(context)
-        n = best_size(scores, lead, costs)
+        priced = costs
+        if saving := self.ahead_saving():
+            priced = costs.copy()
+            priced[lead + 1 :] += saving
+        n = best_size(scores, lead, priced)
         self.used += 0.1 * (n - self.used)
         self._trial = None
         self._credit = min(self._credit + self.LEARN_SHARE * costs[lead + n], 4.0 * costs[lead + n])

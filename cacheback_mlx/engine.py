@@ -486,7 +486,8 @@ class Engine:
                     self.ahead_rule.passed(drafts)
                     # verify: lead + draft in one pass (or the plain step over lead that already runs)
                     t0 = time.perf_counter()
-                    if ahead is not None:
+                    ran_ahead = ahead is not None  # this pass is the plain step started at the last one
+                    if ran_ahead:
                         logits, tree, size, ahead = ahead, DraftTree.empty(), len(lead), None
                     else:
                         logits = self._verify(lead, tree, size)
@@ -516,7 +517,7 @@ class Engine:
                     # accept the longest path the model agrees with, plus its bonus token
                     path, bonus = accept(tree, picks)
                     accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
-                    plan.record(size, len(seq.cached), seconds, tree, path, accepted)
+                    plan.record(size, len(seq.cached), seconds, tree, path, accepted, ran_ahead)
                     self._ran(PassEvent("verify", size, len(seq.cached), seconds, len(lead), len(tree)))
                     # rollback: keep lead + accepted nodes, compacted, drop the rest (or undo it all);
                     # a plain step that started the next one kept its row already

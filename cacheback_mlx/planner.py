@@ -39,7 +39,7 @@ class FixedPlanner:
         return tree, padded_size(lead + len(tree), self.buckets)
 
     def record(self, rows: int, cached: int, seconds: float, tree: DraftTree, path: list[int],
-               accepted: list[int]) -> None:
+               accepted: list[int], ahead: bool = False) -> None:
         pass
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
@@ -99,8 +99,9 @@ class CostPlanner:
         return tree, padded_size(rows, self.buckets)
 
     def record(self, rows: int, cached: int, seconds: float, tree: DraftTree, path: list[int],
-               accepted: list[int]) -> None:
-        self.sizer.timed(rows, cached, seconds)  # what a pass of this size really costs here
+               accepted: list[int], ahead: bool = False) -> None:
+        """A pass ran (`ahead`: the plain step started before the last pass's token was read)."""
+        self.sizer.timed(rows, cached, seconds, ahead)  # what a pass of this size really costs here
         self.sizer.update(tree, path, accepted)
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:

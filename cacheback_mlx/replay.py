@@ -98,7 +98,7 @@ def decode(drafter: Drafter, history: list[int], output: Sequence[int], budget: 
         if clock is not None:
             pass_s += (seconds := clock(rows, len(history)))
             if sizer is not None:
-                sizer.timed(max(rows, 1), len(history), seconds)
+                sizer.timed(max(rows, 1), len(history), seconds, rows == 0)
         elif sizer is not None:
             pass_s += sizer.price(max(rows, 1), len(history))
         if len(tree) > budget:

@@ -12,7 +12,9 @@ So the rule waits for `quiet` plain passes in a row (Engine.RUN_AHEAD_QUIET, 8),
 fewer than SPARSE of recent passes sent drafts. On the recorded streams (`python -m tools.ab.run_ahead`,
 chosen on the even half, checked on the odd one), priced by the H200's costs it took 3.2% / 3.7% less
 pass time than always waiting for 8 (0.987x / 0.989x `none`'s speed against 0.955x / 0.952x), and
-priced by the cheaper passes what waiting for 8 took, within 0.5%.
+priced by the cheaper passes what waiting for 8 took, within 0.5%; with drafts also priced at the head
+start they cost (budget.Sizer.ahead_saving), 0.994x / 0.994x against 0.970x / 0.966x, and within ~1%
+of waiting for 8 on the cheaper passes (docs/BENCHMARKS.md §15).
 """
 
 from __future__ import annotations

@@ -102,9 +102,9 @@ class Recorded(Sizer):
         super().__init__(cost, learn=False)
         self.passes: list[tuple[int, int]] = []
 
-    def timed(self, rows, context, seconds):
+    def timed(self, rows, context, seconds, ahead=False):
         self.passes.append((rows, context))
-        super().timed(rows, context, seconds)
+        super().timed(rows, context, seconds, ahead)
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +195,17 @@ def test_a_prompt_whose_tail_costs_more_in_a_pass_is_prefilled_whole(random_mode
         got = [t for step in eng.generate(prompt, 12) for t in step]
         assert got == want, curve
         assert first_rows(sizer.passes[0][0]), (curve, seen, sizer.passes[0])
+
+
+def test_where_steps_run_ahead_a_draft_must_pay_for_the_head_start_it_costs():
+    """Sizer.ahead_saving: while most plain steps run ahead (each 10% cheaper), a pass with drafts
+    also costs the next step its head start, so a single draft sure at 95% no longer pays for a
+    pass of 2 rows priced at 1.9x a step; with no steps run ahead it does, and the saving is 0."""
+    cost = CostTable({256: {1: 1.0, 2: 1.9, 4: 2.2}})
+    one = DraftTree([7], [-1], [0.95])
+    for ahead, sent in ((False, 1), (True, 0)):
+        sizer = Sizer(cost)
+        for i in range(60):  # plain steps: 1.0 s without running ahead, 0.9 s with
+            sizer.timed(1, 300, 1.0 if i % 10 == 0 or not ahead else 0.9, ahead=ahead and i % 10 != 0)
+        assert (sizer.ahead_saving() > 0.05) == ahead
+        assert len(sizer.choose(one, 1, 300)) == sent, ahead
