@@ -353,24 +353,39 @@ def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
         assert max(chunks) > cpu_prefill_chunk(0), (name, label, chunks)  # a last piece joined the chunk before
 
 
+class WrongOnce(WrongDrafter):
+    """Wrong drafts once, after `at` tokens of history (a pass from position 252 over 256, all
+    rolled back), nothing else: plain steps follow the rollback."""
+
+    def __init__(self, truth_after, at):
+        super().__init__(truth_after)
+        self.at = at
+
+    def propose(self, history, budget, max_branching=None):
+        return super().propose(history, budget) if len(history) == self.at else DraftTree.empty()
+
+
 def test_passes_rolled_back_across_a_256_position_boundary_equal_mlx_lm(family):
     """A 250-token prompt, then passes of up to 16 rows that cross position 256 and are partly
     rolled back: each layer's buffer grows from mid-buffer (kvcache.TreeKVCache keeps whole
-    256-position steps there, as mlx-lm's decoding has them), and the tokens are mlx-lm's."""
+    256-position steps there, as mlx-lm's decoding has them), a rollback below 256 cuts it back
+    (every pass sees the buffer length plain decoding has at its length), and the tokens are mlx-lm's."""
     from cacheback_mlx.kvcache import TreeKVCache
 
     name, model = family
     prompt = [(11 * i + 7) % 97 + 1 for i in range(250)]
     truth = reference(model, prompt, 24)
     for label, d in {"random": RandomTreeDrafter(prompt, truth, seed=7),
-                     "oracle-tree": OracleDrafter(prompt, truth, extra_wrong_branches=2)}.items():
+                     "oracle-tree": OracleDrafter(prompt, truth, extra_wrong_branches=2),
+                     "wrong-once": WrongOnce(lambda h: (truth + [0])[len(h) - len(prompt)], len(prompt) + 3)}.items():
         eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=16)
         lengths = []
-        eng.watch(lambda event: lengths.extend(c.keys.shape[2] for c in eng.seq.cache.kv
+        eng.watch(lambda event: lengths.extend((c.keys.shape[2], c.offset) for c in eng.seq.cache.kv
                                                if type(c) is TreeKVCache and c.keys is not None))
         out, _ = run(model, d, prompt=prompt, n=24, engine=eng)
         assert out == truth, (name, label)
-        assert all(n % 256 == 0 for n in lengths), (name, label, sorted(set(lengths)))
+        assert lengths or not any(type(c) is TreeKVCache for c in eng.seq.cache.kv), name  # (recurrent only)
+        assert all(n == -(-offset // 256) * 256 for n, offset in lengths), (name, label, set(lengths))
 
 
 def test_two_sequences_in_two_slots_equal_mlx_lm(family):
