@@ -257,13 +257,15 @@ def test_the_engine_reports_every_pass_s_rows_and_time_to_the_sizer():
     sizer = Sizer(CostTable({256: CPU_CURVE}))
     seen = []
     timed = sizer.timed
-    sizer.timed = lambda rows, context, seconds: seen.append((rows, context, seconds)) or timed(rows, context, seconds)
+    sizer.timed = (lambda rows, context, seconds, ahead=False:
+                   seen.append((rows, context, seconds, ahead)) or timed(rows, context, seconds, ahead))
     eng = Engine(model, eos_ids=[], drafter=OracleDrafter(PROMPT * 3, truth, 2), context_length=4096, sizer=sizer)
     sizes = []
     eng.watch(lambda e: e.kind == "verify" and sizes.append((e.rows, e.cached)))
     assert [t for s in eng.generate(PROMPT * 3, 30) for t in s] == truth
-    assert [(r, c) for r, c, _ in seen] == sizes and all(s > 0 for _, _, s in seen)
-    assert sum(s for _, _, s in seen) == pytest.approx(eng.stats.verify_s)
+    assert [(r, c) for r, c, _, _ in seen] == sizes and all(s > 0 for _, _, s, _ in seen)
+    assert sum(s for _, _, s, _ in seen) == pytest.approx(eng.stats.verify_s)
+    assert not any(a for *_, a in seen)  # no step ran ahead here (the CPU's default)
 
 
 def test_the_engine_pads_passes_and_stays_lossless_but_never_pads_recurrent_layers():
