@@ -41,6 +41,18 @@ class WrongDrafter(Drafter):
         return DraftTree.chain([(nxt + 1 + i) % 90 for i in range(min(budget, 5))])
 
 
+class WrongOnce(WrongDrafter):
+    """Wrong drafts once, after `at` tokens of history (say a pass from position 252 over
+    256, all rolled back), nothing else: plain steps follow the rollback."""
+
+    def __init__(self, truth_after, at):
+        super().__init__(truth_after)
+        self.at = at
+
+    def propose(self, history, budget, max_branching=None):
+        return super().propose(history, budget) if len(history) == self.at else DraftTree.empty()
+
+
 class RandomTreeDrafter(Drafter):
     """Random trees of up to 64 nodes and depth 8, sometimes holding the true path."""
 

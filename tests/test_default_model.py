@@ -47,10 +47,11 @@ def test_plain_engine_matches_mlx_lm(default_model, plain_outputs):
 def test_passes_rolled_back_across_a_256_position_boundary_match_mlx_lm(default_model):
     """A 250-token prompt, then draft trees of up to 16 rows across position 256, partly rolled back:
     the caches grow from mid-buffer (in whole 256-position steps, as mlx-lm's decoding keeps them)
-    and the tokens are mlx-lm's."""
+    and the tokens are mlx-lm's; then wrong drafts once over position 256 and plain steps after
+    them: each pass sees the buffer length plain decoding has at its length (TreeKVCache.fit)."""
     from cacheback_mlx.kvcache import TreeKVCache
 
-    from adversarial import RandomTreeDrafter
+    from adversarial import RandomTreeDrafter, WrongOnce
 
     prompt = [(11 * i + 7) % 5000 + 100 for i in range(250)]
     truth = [int(t) for t, _ in generate_step(mx.array(prompt), default_model.model, max_tokens=24)]
@@ -60,6 +61,14 @@ def test_passes_rolled_back_across_a_256_position_boundary_match_mlx_lm(default_
     eng.watch(lambda event: lengths.extend(c.keys.shape[2] for c in eng.seq.cache.kv if type(c) is TreeKVCache))
     assert [t for step in eng.generate(prompt, 24) for t in step] == truth
     assert eng.stats.passes < 24 and max(lengths) == 512 and all(n % 256 == 0 for n in lengths)
+    eng = Engine(default_model.model, [], WrongOnce(lambda h: (truth + [0])[len(h) - len(prompt)], len(prompt) + 3),
+                 default_model.context_length, draft_budget=16)
+    seen = []
+    eng.watch(lambda event: seen.extend((c.keys.shape[2], c.offset) for c in eng.seq.cache.kv
+                                        if type(c) is TreeKVCache))
+    assert [t for step in eng.generate(prompt, 24) for t in step] == truth
+    assert eng.stats.drafted > 0 and max(n for n, _ in seen) == 512
+    assert all(n == -(-offset // 256) * 256 for n, offset in seen), sorted(set(seen))
 
 
 def test_a_last_prefill_piece_joined_to_the_chunk_before_matches_mlx_lm(default_model):

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import zoo
-from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter, WrongOnce
 
 # 24 prompt tokens + 24 generated: crosses the sliding window (8) and the position threshold (16)
 PROMPT = [(7 * i + 3) % 97 + 1 for i in range(24)]
@@ -351,18 +351,6 @@ def test_a_long_prompt_equals_mlx_lm_past_the_attention_routing_limits(family):
         out, _ = run(model, d, prompt=prompt, n=16, engine=eng)
         assert out == truth, (name, label)
         assert max(chunks) > cpu_prefill_chunk(0), (name, label, chunks)  # a last piece joined the chunk before
-
-
-class WrongOnce(WrongDrafter):
-    """Wrong drafts once, after `at` tokens of history (a pass from position 252 over 256, all
-    rolled back), nothing else: plain steps follow the rollback."""
-
-    def __init__(self, truth_after, at):
-        super().__init__(truth_after)
-        self.at = at
-
-    def propose(self, history, budget, max_branching=None):
-        return super().propose(history, budget) if len(history) == self.at else DraftTree.empty()
 
 
 def test_passes_rolled_back_across_a_256_position_boundary_equal_mlx_lm(family):
