@@ -366,7 +366,13 @@ class Batch:
                  for lane, x, tree in zip(lanes, logits, trees)]
         best = [lane.drafter.alternatives for lane in lanes]  # next-best tokens at each row, for the drafter
         tops = [top_tokens(x, 1 + k) if k > 0 else None for x, k in zip(logits, best)]
-        mx.eval(picks, [t for t in tops if t is not None], feeding.seq.cache.arrays() if chunk else [])
+        read = (picks, [t for t in tops if t is not None], feeding.seq.cache.arrays() if chunk else [])
+        mx.async_eval(*read)  # the pass: the lanes' drafters learn from their last ones meanwhile
+        t1 = time.perf_counter()
+        for lane in lanes:
+            lane.drafter.catch_up()
+        learn_s = time.perf_counter() - t1
+        mx.eval(*read)
         seconds = time.perf_counter() - t0
         if self.costs is not None and self.reason is None:
             if chunk:
@@ -387,6 +393,7 @@ class Batch:
                 rows = width
             produced = self._settle(lane, lead, tree, rows, p.tolist(), None if top is None else top.tolist())
             lane.stats.draft_s += draft_s / len(lanes)
+            lane.stats.learn_s += learn_s / len(lanes)
             lane.stats.verify_s += seconds
             out.append((lane, produced))
         if self.watchers:

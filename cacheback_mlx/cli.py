@@ -156,7 +156,8 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
         click.echo(f"[{session.loaded.name} {session.loaded.dtype} drafter={drafter}] prompt {s.prompt_tokens} tok "
                    f"({s.prefill_s:.2f}s) | {s.tokens} tokens in {s.passes} passes, MAT {s.mat:.2f} | "
                    f"{s.tokens_per_s:.1f} tok/s | drafting {s.draft_s * 1e3:.1f} ms "
-                   f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%, {s.draft_us_per_pass:.0f} us/pass)", err=True)
+                   f"({100 * s.draft_s / max(s.decode_s, 1e-9):.1f}%, {s.draft_us_per_pass:.0f} us/pass)"
+                   + (f", {s.learn_s * 1e3:.1f} ms more while passes ran" if s.learn_s else ""), err=True)
         drafter_stats = session.engine.drafter.stats()  # e.g. REST's datastore size
         if drafter_stats:
             click.echo(f"[{drafter}] " + ", ".join(f"{k} {v}" for k, v in drafter_stats.items()), err=True)

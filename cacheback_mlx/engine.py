@@ -99,7 +99,8 @@ class Stats:
     ahead: int = 0  # plain steps started before the token they read was known (Engine.set_run_ahead)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # time of all steps, drafting included
-    draft_s: float = 0.0  # time inside the drafter (propose + observe)
+    draft_s: float = 0.0  # time inside the drafter (propose + observe) while no pass runs
+    learn_s: float = 0.0  # drafter work done while a pass ran (Drafter.catch_up): not in draft_s
     verify_s: float = 0.0  # time of the forward passes (graph building included), until the picks are read
     stop_token: int | None = None  # the EOS token that ended the generation (None: a token limit)
 
@@ -508,7 +509,11 @@ class Engine:
                         ahead = step_pass(self.model, seq.cache, picks)
                         mx.async_eval(ahead)
                         stats.ahead += 1
-                    mx.eval(*read)  # the pass
+                    mx.async_eval(*read)  # the pass: the drafter learns from the last one meanwhile
+                    t1 = time.perf_counter()
+                    self.drafter.catch_up()
+                    stats.learn_s += time.perf_counter() - t1
+                    mx.eval(*read)
                     picks, tops = picks.tolist(), None if tops is None else tops.tolist()
                     if forced is not None:
                         picks = forced_picks(tree, forced[stats.tokens :])

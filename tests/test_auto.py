@@ -7,7 +7,7 @@ import random
 from cacheback_mlx import costs
 from cacheback_mlx.budget import RankRates, Sizer, best_size, known_outcomes
 from cacheback_mlx.costs import CostTable, load_or_measure, measure
-from cacheback_mlx.drafters import make_drafter
+from cacheback_mlx.drafters import auto, make_drafter
 from cacheback_mlx.drafters.auto import RECYCLED, WIDE, AutoDrafter
 from cacheback_mlx.drafters.base import Drafter
 from cacheback_mlx.drafters.scorer import Scorer
@@ -572,6 +572,75 @@ def _learn_a_phrase(d: AutoDrafter, rounds: int = 6) -> None:
             d.observe(phrase[:3])
             history += phrase[:3]
         d.end_request()
+
+
+def _walk(stream: dict, d: AutoDrafter, catch_up: bool, labelled: list | None = None) -> list:
+    """`auto` along a recorded stream at budget 7, as the engine calls it (catch_up while each pass
+    would run) or as a replay does (never): every tree, and with `labelled`, the drafter's labels
+    after each observe() and after each catch_up()."""
+    from cacheback_mlx.replay import forced_picks, longest_match
+
+    history, out, pos, trees = list(stream["prompt"]), stream["out"], 0, []
+    d.observe(history)
+    while pos < len(out) - 1:
+        tree = d.propose(history, min(7, len(out) - pos - 1))
+        trees.append((tree.tokens.tolist(), tree.parents.tolist(), None if tree.scores is None else
+                      tree.scores.tolist()))
+        if catch_up:
+            d.catch_up()
+            if labelled is not None:
+                labelled.append(("catch_up", d.labelled))
+        path = longest_match(tree, out[pos:])
+        accepted = [int(tree.tokens[i]) for i in path] + [int(out[pos + len(path)])]
+        picks = tree.picked(history[-1], forced_picks(tree, out[pos:]))
+        history += accepted
+        pos += len(accepted)
+        d.observe(accepted)
+        if labelled is not None:
+            labelled.append(("observe", d.labelled))
+        d.recycle(picks)
+    d.end_request()
+    return trees
+
+
+def test_a_grown_scorer_learns_while_the_next_pass_runs_and_drafts_the_same_either_way(monkeypatch):
+    """Past YOUNG labels, what a pass teaches the scorer waits for catch_up(), which the engine
+    calls while the next pass runs, so the host does it while the device works: the next
+    proposal is scored without it. A replay that never calls catch_up learns it at the next
+    observe(), still after that proposal: both draft the same trees (so a forced run's MAT is the
+    replay's). A scorer with fewer labels learns at once (it learns fastest then); end_request
+    learns what is left."""
+    from cacheback_mlx.drafters.auto import YOUNG
+
+    stream = load_streams()[3]
+    grown = [AutoDrafter(persist=False, scores=True) for _ in range(2)]  # the shipped scores: grown
+    assert grown[0].scorer.bias_n >= YOUNG
+    seen: list = []
+    assert _walk(stream, grown[0], True, seen) == _walk(stream, grown[1], False)
+    assert grown[0].scorer.state() == grown[1].scorer.state()
+    steps = [n for _, n in seen]
+    assert all(b >= a for a, b in zip(steps, steps[1:]))
+    learned_at = {kind for (kind, n), (_, before) in zip(seen[1:], seen) if n > before}
+    assert learned_at == {"catch_up"}  # never in observe
+    late = _walk(stream, AutoDrafter(persist=False, scores=True), True)
+    monkeypatch.setattr(auto, "YOUNG", 1 << 60)  # every pass's labels at once, as before catch_up
+    at_once = _walk(stream, AutoDrafter(persist=False, scores=True), True)
+    monkeypatch.undo()
+    assert late != at_once  # the proposals after a pass were scored without its labels
+    young = AutoDrafter(persist=False)  # PRIOR: nothing learned yet
+    seen = []
+    _walk(stream, young, True, seen)
+    first = [n for kind, n in seen if kind == "observe"][:3]
+    assert first[0] > 0 and first[1] > first[0]  # learned in observe while young
+    d = grown[1]  # a request's last pass: its labels wait for catch_up, or for the request's end
+    history = list(stream["prompt"])
+    d.observe(history)
+    d.propose(history, 7)
+    before = d.labelled
+    d.observe(stream["out"][:2])
+    assert d.labelled == before
+    d.end_request()
+    assert d.labelled > before
 
 
 def test_auto_keeps_its_learned_scores_between_runs(tmp_path):

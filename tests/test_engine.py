@@ -346,6 +346,54 @@ class Recorder(Drafter):
         self.calls.append(("observe", list(tokens)))
 
 
+class Order(Drafter):
+    """Drafts the same three tokens every pass, and keeps the order of the engine's calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, history, budget, max_branching=None):
+        self.calls.append("propose")
+        return DraftTree.chain([7, 8, 9][:budget])
+
+    def catch_up(self):
+        self.calls.append("catch_up")
+
+    def observe(self, tokens):
+        self.calls.append("observe")
+
+
+def passes_of(calls: list[str]) -> int:
+    """The passes in an Order drafter's calls, each checked to be [propose,] catch_up, observe (no
+    proposal where no token is left to draft), after the prompt's observe calls."""
+    text = " ".join(calls).split("observe")
+    assert text[-1] == "" and all(not part.strip() for part in text[:1])
+    parts = [part.split() for part in text[1:-1]]
+    body = [p for p in parts if p]
+    assert all(p in (["propose", "catch_up"], ["catch_up"]) for p in body), body
+    assert ["propose", "catch_up"] in body
+    return len(body)
+
+
+def test_the_drafter_catches_up_once_a_pass_while_it_runs(tiny_model):
+    """Between proposing for a pass and hearing its tokens, the drafter gets catch_up() once (the
+    engine's passes and a batch's lanes alike; Drafter.catch_up); the outputs stay plain decoding's."""
+    from cacheback_mlx.batch import Batch
+
+    truth, _ = run(tiny_model, NoDrafter(), n=16)
+    d = Order()
+    out, eng = run(tiny_model, d, n=16, draft_budget=4)
+    assert out == truth
+    assert passes_of(d.calls) == eng.stats.passes
+    lanes = []
+    batch = Batch(Engine(tiny_model, [], NoDrafter(), 4096, draft_budget=4), 2,
+                  lambda: lanes.append(Order()) or lanes[-1])
+    done = batch.run([dict(prompt=PROMPT, max_tokens=16), dict(prompt=PROMPT[:6], max_tokens=12)])
+    assert done[0].tokens == truth
+    for lane in done:
+        assert passes_of(lane.drafter.calls) == lane.stats.passes
+
+
 class PickRecorder(HearsPicks, RandomTreeDrafter):
     """Random trees (rows accepted and rejected alike), and what Drafter.recycle hears of each pass."""
 

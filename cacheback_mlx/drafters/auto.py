@@ -53,6 +53,10 @@ LENGTH = 12  # tokens per retrieved continuation
 MAX_COUNT = 32  # occurrences sampled per retrieval
 TABLE_FOLLOWERS = 16  # followers per table lookup and table, at most (fewer for small budgets)
 WINDOW = 8192  # own-history tokens indexed (older ones fall out)
+# A scorer that has labelled fewer nodes than this learns from each pass before the next proposal;
+# after, while the next pass runs (catch_up). One pass late cost a new drafter 1% of its tokens a
+# pass on the recorded streams, and a drafter past this many labels ~0.1% (docs/BENCHMARKS.md §4).
+YOUNG = 3000
 RETRIEVED = ("own", "ssd", "rest")  # sources of whole continuations (the tables give followers)
 TABLE_SOURCES = {"dynamic": "dyn", "frozen": "frz"}  # CachebackDrafter.followers' tables -> sources
 PICK = "pick"  # the model's picks at earlier passes' rows (recycle): one-token followers, ranked like a table's
@@ -350,6 +354,7 @@ class AutoDrafter(Drafter):
             return scorer
 
         self._last: _Trie | None = None  # the last step's candidates, labelled by the next observe
+        self._pending: tuple[_Trie, list[int]] | None = None  # candidates and the model's tokens: catch_up
         self.labelled = 0
         # What the scorer learned in earlier runs and other processes: kept beside SSD's store (one
         # per tokenizer) when that is kept on disk, so a one-off `generate` starts from it too; and
@@ -371,19 +376,32 @@ class AutoDrafter(Drafter):
         self.seq: list[int] = []
         self.pos: list[dict[tuple, list[int]]] = [{} for _ in range(MAX_K + 1)]
         self.picks: dict[int, tuple] = {}  # token -> the model's latest best tokens after it (recycle)
+        self.catch_up()  # (what the last pass taught the scorer is kept: the scorer outlives a reset)
         self._last = None
 
     def observe(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
+        self.catch_up()  # the pass before's labels, where nobody called catch_up since
         if self._last is not None:  # the tokens the model produced after the last proposal
-            trie = self._last  # opened along the model's path as the labelling walks it
-            self.labelled += self.scorer.learn_trie(trie.tokens, trie.parents, trie.features, tokens,
-                                                    _Opening(trie))
+            self._pending = (self._last, tokens)
             self._last = None
+            if self.scorer.bias_n < YOUNG:  # a scorer that has learned little learns at once
+                self.catch_up()
         self.tables.observe(tokens)
         if self.ssd is not None:
             self.ssd.observe(tokens)
         self._index(tokens)
+
+    def catch_up(self) -> None:
+        """Label the last proposal's candidates with the tokens the model produced (the scorer's
+        learning, most of observe's time). observe() leaves it here once the scorer has learned
+        YOUNG labels, for the engine to call while the next pass runs (Drafter.catch_up); the next
+        proposal is then scored without them, one pass late."""
+        if self._pending is not None:
+            trie, tokens = self._pending  # opened along the model's path as the labelling walks it
+            self._pending = None
+            self.labelled += self.scorer.learn_trie(trie.tokens, trie.parents, trie.features, tokens,
+                                                    _Opening(trie))
 
     @property
     def alternatives(self) -> int:
@@ -405,6 +423,7 @@ class AutoDrafter(Drafter):
         self._index([GAP] + [int(t) for t in tokens] + [GAP])
 
     def end_request(self) -> None:
+        self.catch_up()
         self._last = None
         if self.ssd is not None:
             self.ssd.end_request()
@@ -414,6 +433,7 @@ class AutoDrafter(Drafter):
     def close(self) -> None:
         """Save what the scorer learned, and let go of it (the next drafter on the store reads the
         file once no other drafter of this process learns into it)."""
+        self.catch_up()
         if self.kept is not None:
             self.kept.release()
             self.kept = None

@@ -23,6 +23,8 @@ class Drafter:
                                          each step; history[-1] is the root (last accepted token);
                                          max_branching=1 asks for a chain (models whose state
                                          cannot branch, e.g. recurrent layers); None: any tree
+      catch_up()                         while that step's pass runs (the device busy): work left
+                                         from the last observe() that this proposal did not need
       observe(accepted_tokens)           after each step, with the tokens just accepted
       recycle(picks)                     then, the model's pick at every row of that step's pass,
                                          accepted or not, and its `alternatives` next-best tokens
@@ -41,6 +43,13 @@ class Drafter:
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn from tokens appended to the sequence (prompt tokens or accepted tokens)."""
+
+    def catch_up(self) -> None:
+        """Finish what the last observe() left for later (auto: the scorer's learning), while the
+        model runs a pass: on a GPU the host would only wait there. observe() may leave work only
+        where proposing before it is done still drafts well (auto's next proposal is scored one
+        pass late); a drafter that gets no call does it at its next observe(), so replays that
+        never call this draft the same. Default: nothing left."""
 
     def recycle(self, picks: Sequence[tuple[int, tuple[int, ...]]]) -> None:
         """What the model picked at each row of the last pass, the rows of drafts it rejected
