@@ -367,10 +367,12 @@ class Batch:
         best = [lane.drafter.alternatives for lane in lanes]  # next-best tokens at each row, for the drafter
         tops = [top_tokens(x, 1 + k) if k > 0 else None for x, k in zip(logits, best)]
         read = (picks, [t for t in tops if t is not None], feeding.seq.cache.arrays() if chunk else [])
-        mx.async_eval(*read)  # the pass: the lanes' drafters learn from their last ones meanwhile
+        mx.async_eval(*read)  # the pass: the lanes' drafters and sizers learn from their last ones meanwhile
         t1 = time.perf_counter()
         for lane in lanes:
             lane.drafter.catch_up()
+            if lane.sizer is not None:
+                lane.sizer.catch_up()
         learn_s = time.perf_counter() - t1
         mx.eval(*read)
         seconds = time.perf_counter() - t0

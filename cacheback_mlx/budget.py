@@ -230,6 +230,7 @@ class Sizer:
         self._idle = 0
         self.used = 8.0  # recent draft sizes chosen (a moving average)
         self._sent: tuple | None = None  # the last unscored tree sent, with its nodes' cells
+        self._pending: tuple | None = None  # a pass update() heard of, learned at catch_up()
         self._offered: DraftTree | None = None  # the last scored tree's candidates, sent or not
         self._plans: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._base: dict[int, tuple[np.ndarray, list]] = {}  # context -> the table's prices, their keys
@@ -459,10 +460,22 @@ class Sizer:
         the pass produced (the accepted ones and the model's own after them). With it, the
         calibration learns from every candidate choose() was offered, not only the sent ones:
         learning from sent nodes alone, a step that sends nothing (its scores were low) could
-        never show that such scores are accepted more often than they say."""
+        never show that such scores are accepted more often than they say. The learning waits for
+        catch_up() (the engine calls it while the next pass runs: on a CPU the first sizeable
+        allocation after a pass's graph is freed, here, stalled ~2 ms, docs/BENCHMARKS.md §1, §4)
+        or for the next update(): the next pass is sized one pass late either way."""
+        self.catch_up()
         offered, self._offered = self._offered, None
-        if tree.scores is None and self._sent is not None and len(self._sent[0]) == len(tree):
-            self.rates.update(tree, self._sent[1], path)
+        sent, self._sent = self._sent, None
+        self._pending = (tree, path, continuation, offered, sent)
+
+    def catch_up(self) -> None:
+        """What update() left: the calibration (or the rank rates) learn from the last pass."""
+        if self._pending is None:
+            return
+        (tree, path, continuation, offered, sent), self._pending = self._pending, None
+        if tree.scores is None and sent is not None and len(sent[0]) == len(tree):
+            self.rates.update(tree, sent[1], path)
         elif (continuation and offered is not None and len(offered) >= len(tree)
               and np.array_equal(offered.tokens[: len(tree)], tree.tokens)):  # what choose() sent of it
             known = known_outcomes(offered, continuation)
@@ -472,4 +485,3 @@ class Sizer:
             accepted = np.zeros(len(tree), bool)
             accepted[path] = True
             self.calibration.update(tree.scores, accepted)
-        self._sent = None

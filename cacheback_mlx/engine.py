@@ -100,7 +100,7 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # time of all steps, drafting included
     draft_s: float = 0.0  # time inside the drafter (propose + observe) while no pass runs
-    learn_s: float = 0.0  # drafter work done while a pass ran (Drafter.catch_up): not in draft_s
+    learn_s: float = 0.0  # the drafter's and planner's learning done while a pass ran (catch_up): not in draft_s
     verify_s: float = 0.0  # time of the forward passes (graph building included), until the picks are read
     stop_token: int | None = None  # the EOS token that ended the generation (None: a token limit)
 
@@ -512,6 +512,7 @@ class Engine:
                     mx.async_eval(*read)  # the pass: the drafter learns from the last one meanwhile
                     t1 = time.perf_counter()
                     self.drafter.catch_up()
+                    plan.catch_up()
                     stats.learn_s += time.perf_counter() - t1
                     mx.eval(*read)
                     picks, tops = picks.tolist(), None if tops is None else tops.tolist()
@@ -557,6 +558,7 @@ class Engine:
             finally:
                 if ahead is not None:  # a step started past the last token (EOS, or the caller stopped)
                     self._finish([], False)
+                plan.catch_up()  # the last pass's record
                 # the cache keeps what plain decoding fed (the prompt and every token out but the last;
                 # all of them before an EOS), whatever was drafted past it: a next turn then prefills
                 # the same tokens in the same chunks with any drafter, as the bits of half precision on

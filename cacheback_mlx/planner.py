@@ -7,8 +7,8 @@
 
 The engine calls, per pass: draft_cap (how many drafts to ask the drafter for), drafted (how long
 the drafter took for them), plan (the drafts to send and the rows the pass runs as, padding
-included), and after the accept step record (what the pass cost and which drafts were accepted);
-prefilled hears each prefill chunk's time.
+included), and after the accept step record (what the pass cost and which drafts were accepted),
+learned from at catch_up while the next pass runs; prefilled hears each prefill chunk's time.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class FixedPlanner:
 
     def record(self, rows: int, cached: int, seconds: float, tree: DraftTree, path: list[int],
                accepted: list[int], ahead: bool = False) -> None:
+        pass
+
+    def catch_up(self) -> None:
         pass
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
@@ -103,6 +106,10 @@ class CostPlanner:
         """A pass ran (`ahead`: the plain step started before the last pass's token was read)."""
         self.sizer.timed(rows, cached, seconds, ahead)  # what a pass of this size really costs here
         self.sizer.update(tree, path, accepted)
+
+    def catch_up(self) -> None:
+        """While the next pass runs: the sizer learns from the last one (Sizer.update)."""
+        self.sizer.catch_up()
 
     def prefilled(self, rows: int, cached: int, seconds: float) -> None:
         self.sizer.prefilled(rows, cached, seconds)

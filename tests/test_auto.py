@@ -213,6 +213,7 @@ def test_drafter_scores_are_calibrated_by_what_the_model_accepted():
         for _ in range(3000):
             u = rng.random() / truth_factor  # the model picks each guess with 0.06 x truth_factor
             sizer.update(tree, [0] if u < 0.06 else [1] if u < 0.12 else [])
+        sizer.catch_up()
         f = sizer.calibration.factors()[np.searchsorted(sizer.calibration.EDGES, 0.06, side="right"), :2]
         assert (lo < f).all() and (f < hi).all(), (truth_factor, f)
         assert before == 0
@@ -238,6 +239,27 @@ def test_the_calibration_learns_from_candidates_that_were_not_sent():
     f = sizer.calibration.factors()[0, 0]  # score bin < 0.05, first place
     assert 6 < f < 12, f
     assert len(sizer.choose(tree, 1, 0)) >= 1  # 0.3 expected for ~1.1x a step: now worth sending
+
+
+def test_the_sizer_learns_from_a_pass_at_catch_up_against_what_it_offered_for_it():
+    """update() keeps what the pass was offered and sent; the calibration learns at catch_up()
+    (the engine's call while the next pass runs) or at the next update(), whatever the next pass
+    offered meanwhile: the same as learning at once, one pass later."""
+    first = DraftTree([11, 12], [-1, 0], np.array([0.5, 0.4]))
+    then = DraftTree([21, 22, 23], [-1, 0, -1], np.array([0.6, 0.3, 0.2]))
+    at_once, late = (Sizer(CostTable({256: CPU_CURVE}), learn=False) for _ in range(2))
+    for sizer in (at_once, late):
+        sent = sizer.choose(first, 1, 0)
+        assert len(sent)
+        sizer.update(sent, [0], [11, 5])
+    at_once.catch_up()
+    before = late.calibration.hits.copy()
+    late.choose(then, 1, 0)  # the next pass, planned before the last one is learned from
+    assert np.array_equal(late.calibration.hits, before)
+    late.catch_up()
+    assert np.array_equal(late.calibration.hits, at_once.calibration.hits)
+    assert np.array_equal(late.calibration.expected, at_once.calibration.expected)
+    assert late.calibration.hits.sum() > before.sum()
 
 
 def test_a_machine_that_slows_down_as_a_whole_changes_no_price():
@@ -299,6 +321,7 @@ def test_unscored_drafters_get_a_depth_and_rank_estimate_that_learns():
     sent = sizer.choose(tree, 1, 0)  # best first: 1, then 2; the rest does not pay
     assert sent.tokens.tolist() == [1, 2] and sent.parents.tolist() == [-1, 0] and sent.scores is None
     sizer.update(sent, [0, 1])
+    sizer.catch_up()  # (the engine's call while the next pass runs)
     assert rates.trials[2, 0] > 302  # learned from what was sent, in the drafter's own terms
 
 
