@@ -256,6 +256,8 @@ class Batch:
         if self.lanes.get(lane.index) is lane:
             del self.lanes[lane.index]
             lane.drafter.end_request()
+            if lane.sizer is not None:
+                lane.sizer.catch_up()  # what its last pass taught
         lane.done = True
 
     def step(self) -> list[tuple[Lane, list[int]]]:
