@@ -509,7 +509,7 @@ class Engine:
                         ahead = step_pass(self.model, seq.cache, picks)
                         mx.async_eval(ahead)
                         stats.ahead += 1
-                    mx.async_eval(*read)  # the pass: the drafter learns from the last one meanwhile
+                    mx.async_eval(*read)  # the pass: the drafter and the planner learn from the last one meanwhile
                     t1 = time.perf_counter()
                     self.drafter.catch_up()
                     plan.catch_up()
