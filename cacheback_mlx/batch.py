@@ -364,7 +364,7 @@ class Batch:
         width = max(p[3] for p in passes)  # side by side, every lane's rows in the pass
         logits = (batch_pass(self.model, passes + riding, self.packed, read=len(passes)) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
-        picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
+        picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree, lane.seq.history)
                  for lane, x, tree in zip(lanes, logits, trees)]
         best = [lane.drafter.alternatives for lane in lanes]  # next-best tokens at each row, for the drafter
         tops = [top_tokens(x, 1 + k) if k > 0 else None for x, k in zip(logits, best)]

@@ -193,7 +193,8 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
 
 def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: SamplingParams | None = None) -> Run:
     """The same question with mlx-lm's own stream_generate on the same weights: greedy, or with
-    mlx-lm's sampler at the same settings (seeded per turn through MLX's global random state)."""
+    mlx-lm's sampler at the same settings (seeded per turn through MLX's global random state);
+    with the same logits processors (penalties)."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -204,11 +205,13 @@ def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: Samp
         messages.append({"role": "user", "content": turn})
         ids = session.encode(messages if prompt.chat else turn, chat=prompt.chat)
         kw = {}
-        if sampling is not None:
-            params = sampled(sampling, prompt, k)
+        params = sampled(sampling, prompt, k)
+        if params.temperature:
             mx.random.seed(params.seed)
             kw["sampler"] = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
                                          min_p=params.min_p, top_k=params.top_k)
+        if params.logits_processors:
+            kw["logits_processors"] = list(params.logits_processors)
         t0 = time.perf_counter()
         out = []
         for r in stream_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens, **kw):

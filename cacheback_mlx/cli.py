@@ -85,6 +85,14 @@ def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args
     return Session(node.loaded, drafter, draft_budget=draft_budget, fixed_budget=True, peers=leader, **params)
 
 
+def penalty_option(fn):
+    """--repetition-penalty and its window, as mlx-lm's logits processors apply them (sampling.penalties)."""
+    fn = click.option("--repetition-context-size", "repetition_window", type=int, default=20, show_default=True,
+                      help="Tokens the repetition penalty looks back over, the prompt's included (-1: all).")(fn)
+    return click.option("--repetition-penalty", type=float, default=None,
+                        help="Penalize tokens seen in the last tokens, as mlx-lm does (1: none).")(fn)
+
+
 def model_option(fn):
     fn = click.option("--model", "-m", default=None,
                       help="GGUF file, mlx-lm folder, Hugging Face repo id, alias, or random:NAME[:OPTIONS] (a popular "
@@ -133,17 +141,19 @@ def main():
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
+@penalty_option
 @click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
 @click.option("--system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
-             top_k, seed, chat, system, stats, distributed):
+             top_k, seed, repetition_penalty, repetition_window, chat, system, stats, distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, penalties
 
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                              logits_processors=penalties(repetition_penalty, window=repetition_window))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -172,15 +182,17 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
+@penalty_option
 @distributed_option
 @user_errors
 def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed,
-         distributed):
+         repetition_penalty, repetition_window, distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .chat import run_chat
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, penalties
 
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                              logits_processors=penalties(repetition_penalty, window=repetition_window))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     run_chat(session, system, max_tokens, sampling)
 
@@ -299,10 +311,11 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: top-p.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: top-k (0: off).")
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="With --temperature: min-p.")
+@penalty_option
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args,
           draft_budget, warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir,
-          forced_dir, temperature, top_p, top_k, min_p):
+          forced_dir, temperature, top_p, top_k, min_p, repetition_penalty, repetition_window):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -315,17 +328,20 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
     from .api import Session
     from .budget import Sizer
     from .costs import cpu_name
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, penalties
 
     if record_dir and forced_dir:
         raise CachebackError("--record and --forced do not go together (record first, then run forced)")
     sampling = None
-    if temperature or top_p != 1.0 or top_k or min_p:
-        if not temperature:
+    processors = penalties(repetition_penalty, window=repetition_window)
+    if temperature or top_p != 1.0 or top_k or min_p or processors:
+        if not temperature and (top_p != 1.0 or top_k or min_p):
             raise CachebackError("--top-p, --top-k and --min-p need a --temperature above 0")
         if record_dir or forced_dir:
-            raise CachebackError("--record and --forced are greedy: no --temperature")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+            raise CachebackError("--record and --forced are greedy, with no penalty: no --temperature, "
+                                 "no --repetition-penalty")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  logits_processors=processors)
     recording = R.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
     if recording is not None and recording.get("fingerprint") != session.fingerprint:
@@ -356,9 +372,11 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
             "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category,
             "humaneval_prompts": humaneval_prompts,
             "prompts": sets, "categories": categories, "seed": seed}
-    if sampling is not None:
+    if temperature:
         meta["sampling"] = (f"temperature {temperature}, top_p {top_p}, top_k {top_k}, min_p {min_p}, "
                             "seeded per question")
+    if processors:
+        meta["repetition_penalty"] = f"{repetition_penalty} over {repetition_window} tokens"
     if recording is None:
         plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
                                  seed, Path(data) if data else B.DATA)
@@ -412,7 +430,7 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         B.save_json(runs, summary, json_out, meta)
     if plot_out:
         B.plot(summary, plot_out)
-    own_way = recording is not None or sampling is not None  # forced, or sampled: mlx-lm goes its own way
+    own_way = recording is not None or temperature > 0  # forced, or sampled: mlx-lm goes its own way
     bad = B.mismatches([r for r in runs if not own_way or r.drafter != B.MLX_LM])
     mlx_diff = B.mismatches(runs, reference=B.MLX_LM) if not no_mlx_lm and not own_way else []
     if mlx_diff:
@@ -425,7 +443,7 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         click.echo(f"note: {len(slow)} pass(es) took over 10x the median of their row count (the slowest "
                    f"{p[3]:.0f} ms, {p[0]} rows, on {r.prompt} with {r.drafter}; --json keeps every pass, "
                    "tools/slow_passes.py lists them)", err=True)
-    if bad and sampling is not None:  # a draw near a boundary between two tokens: docs/BENCHMARKS.md §18
+    if bad and temperature > 0:  # a draw near a boundary between two tokens: docs/BENCHMARKS.md §18
         for m in bad:
             click.echo(f"note: sampled, {m}", err=True)
         click.echo("note: a pass's logits differ from a step's by rounding, and a sampled draw can fall near enough to "

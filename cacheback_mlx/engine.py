@@ -492,7 +492,7 @@ class Engine:
                         logits, tree, size, ahead = ahead, DraftTree.empty(), len(lead), None
                     else:
                         logits = self._verify(lead, tree, size)
-                    picks = pick(logits, len(seq.cached) + len(lead), tree)
+                    picks = pick(logits, len(seq.cached) + len(lead), tree, seq.history)
                     # the model's best tokens at each row, for the drafter (Drafter.alternatives); not in
                     # a forced run, whose drafter hears only what a replay of the recording knows
                     best = self.drafter.alternatives if forced is None else 0

@@ -11,7 +11,9 @@ mlx-lm (the last one carries finish_reason "stop" with the EOS token, or "length
 drafting counters of the generation so far (passes, mat). Differences: `logprobs` is None (the
 engine does not compute a full distribution per token), `from_draft` is True for tokens that
 came from an accepted draft, and sampling is set with temperature / top_p / top_k / seed instead
-of a `sampler` callable (sample-and-match needs the distribution itself).
+of a `sampler` callable (sample-and-match needs the distribution itself). `logits_processors`
+(mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
+pass with the tokens before its own position (sampling.processed_rows).
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     **kwargs) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
-    if kwargs.get("sampler") is not None or kwargs.get("logits_processors"):
-        raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler or logits processors")
+    if kwargs.get("sampler") is not None:
+        raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler")
     unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
                              "prompt_progress_callback", "num_draft_tokens"}
     if unknown or kwargs.get("draft_model") is not None:
@@ -89,7 +91,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
     else:
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     limit = session.loaded.context_length if max_tokens < 0 else max_tokens
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              logits_processors=kwargs.get("logits_processors") or ())
     detok = tokenizer.detokenizer
     detok.reset()
     eng, n, last = session.engine, 0, None

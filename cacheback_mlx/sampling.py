@@ -6,16 +6,22 @@ mlx-lm's samplers on a GPU, on the host on MLX's CPU device (host_sampling.py); 
 then follows the tree child that holds the row's token and stops at the first miss
 (sample-and-match). Each emitted token is thus a draw from the target model's own
 distribution at that position, so sampled output keeps exactly the target's distribution.
+
+mlx-lm's logits processors (repetition, presence and frequency penalties, logit biases: `penalties`
+builds them as mlx-lm's server does) change each row's logits before it is chosen, each row with the
+tokens before its own position: the sequence so far, then the tree's path down to the row's node.
+A row thus gets the logits mlx-lm's generate_step would give its sampler at that position.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+import numpy as np
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import CachebackError
 from .host_sampling import host_picker, position_bits
@@ -30,8 +36,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    logits_processors: tuple = ()  # mlx-lm's: (tokens, logits [1, vocab]) -> logits, applied in order
 
     def __post_init__(self):
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        if not all(callable(p) for p in self.logits_processors):
+            raise CachebackError("logits_processors must be callables (tokens, logits) -> logits")
         if self.temperature < 0:
             raise CachebackError("temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -50,13 +60,65 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+WHOLE = 1 << 30  # a penalty's window reaching back over the whole sequence
+
+
+def penalties(repetition: float | None = None, presence: float = 0.0, frequency: float = 0.0, window: int = 20,
+              logit_bias: dict[int, float] | None = None) -> tuple:
+    """mlx-lm's logits processors for a request's penalties over its last `window` tokens (prompt
+    included, as mlx-lm's generate_step counts them; -1: the whole sequence, 0: none) and its logit
+    biases; none for a penalty that changes nothing (repetition 0 or 1, the others 0)."""
+    if window < -1:
+        raise CachebackError("a penalty's window must be >= -1")
+    if repetition is not None and repetition < 0:
+        raise CachebackError("repetition_penalty must be >= 0")
+    size = WHOLE if window == -1 else window
+    on = size > 0
+    return tuple(make_logits_processors(
+        logit_bias=logit_bias or None,
+        repetition_penalty=repetition if on and repetition not in (None, 0.0, 1.0) else None,
+        repetition_context_size=size,
+        presence_penalty=presence if on and presence else None, presence_context_size=size,
+        frequency_penalty=frequency if on and frequency else None, frequency_context_size=size))
+
+
+def processed_rows(processors: Sequence[Callable], logits: mx.array, history: Sequence[int], tree) -> mx.array:
+    """Every row of a pass's logits (the root's, then each node's) through the processors, each row
+    with the tokens before its own next one: `history` (the sequence so far, the root's token last),
+    then the tree's path down to the row's node."""
+    base = np.asarray(history, np.int32)
+    paths: list[np.ndarray] = [base]  # row r's tokens: its node's parent's, then the node's token
+    for token, parent in zip(tree.tokens.tolist() if tree is not None else [],
+                             tree.parents.tolist() if tree is not None else []):
+        paths.append(np.append(paths[parent + 1], np.int32(token)))
+    rows = []
+    for r, tokens in enumerate(paths[: logits.shape[0]]):
+        row, ids = logits[r : r + 1], mx.array(tokens)
+        for process in processors:
+            row = process(ids, row)
+        rows.append(row)
+    return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+
+
 def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
-    """A function pick(logits [1 + len(tree), vocab], first, tree) -> one token per row: the rows
-    of a pass over the root (the token at position `first`) and the tree's nodes. A seeded one
-    draws each position's token from a key of that seed and position (seeded_picker); an unseeded
-    one from MLX's global random state, as mlx-lm does."""
+    """A function pick(logits [1 + len(tree), vocab], first, tree, history) -> one token per row:
+    the rows of a pass over the root (the token at position `first`, the last of `history`) and the
+    tree's nodes. A seeded one draws each position's token from a key of that seed and position
+    (seeded_picker); an unseeded one from MLX's global random state, as mlx-lm does. With logits
+    processors, each row's logits go through them first (processed_rows)."""
+    pick = _picker(params)
+    if not params.logits_processors:
+        return pick
+
+    def processed(logits: mx.array, first=0, tree=None, history=()) -> mx.array:
+        return pick(processed_rows(params.logits_processors, logits, history, tree), first, tree)
+
+    return processed
+
+
+def _picker(params: SamplingParams) -> Callable[..., mx.array]:
     if params.greedy:
-        return lambda logits, first=0, tree=None: mx.argmax(logits, axis=-1)
+        return lambda logits, first=0, tree=None, history=(): mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
     if HOST_SAMPLING and mx.default_device() == mx.cpu:  # MLX's CPU sort and exp are slow: host_sampling.py
         return host_picker(params.temperature, top_p, params.min_p, params.top_k, params.seed)
@@ -65,7 +127,7 @@ def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
     without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
 
-    def pick(logits: mx.array, first=0, tree=None) -> mx.array:
+    def pick(logits: mx.array, first=0, tree=None, history=()) -> mx.array:
         logits = logits.astype(mx.float32)
         sampler = with_k if 0 < params.top_k < logits.shape[-1] else without_k  # k >= vocab: no cut
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -111,7 +173,7 @@ def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.arra
     sharing its passes (batch.py)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    def pick(logits: mx.array, first: int, tree) -> mx.array:
+    def pick(logits: mx.array, first: int, tree, history=()) -> mx.array:
         positions = tree.positions(first)  # only a seeded draw needs them
         logits = logits.astype(mx.float32)
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -163,6 +163,35 @@ def test_bench_samples_when_given_a_temperature(tmp_path):
     assert_one_line_error(bad, "min_p")
 
 
+def test_a_repetition_penalty_from_the_command_line_gives_mlx_lm_s_tokens(tmp_path):
+    """`--repetition-penalty` (with its window) goes to every drafter and to mlx-lm's row of `bench`,
+    whose lossless check then holds against mlx-lm with the same penalty; bad values: one line."""
+    import json
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["abc abc abc abc abc", "and again?"]}) + "\n")
+    r = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--prompts", "spec_bench",
+            "--per-category", "1", "--max-tokens", "24", "--warmup", "0", "--drafters", "none,pld,auto",
+            "--repetition-penalty", "3", "--repetition-context-size", "64", "--json", str(tmp_path / "p.json"),
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "repetition_penalty=3.0 over 64 tokens" in r.stdout and "| mlx-lm " in r.stdout
+    assert "differ from mlx-lm" not in r.stderr, r.stderr
+    plain = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--prompts", "spec_bench",
+                "--per-category", "1", "--max-tokens", "24", "--warmup", "0", "--drafters", "none",
+                "--json", str(tmp_path / "n.json"), timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    tokens = [{r["drafter"]: r["tokens"] for r in json.loads((tmp_path / f).read_text())["runs"]}
+              for f in ("p.json", "n.json")]
+    assert tokens[0]["none"] == tokens[0]["mlx-lm"] != tokens[1]["mlx-lm"]  # the penalty changed the text
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "-1"),
+                          "repetition_penalty")
+    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "1.2",
+                              "--repetition-context-size", "-2"), "window")
+
+
 def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):
     """`bench --drafters none` sizes no passes, so it starts at once: no pass-cost measurement (on a
     GPU that is a minute of compiling and timing passes). A drafter's row still measures it."""

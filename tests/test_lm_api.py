@@ -39,6 +39,23 @@ def test_stream_generate_yields_what_mlx_lm_yields(tiny, drafter):
     assert lm.generate(model, tokenizer, prompt, max_tokens=24) == "".join(r.text for r in theirs)
 
 
+@pytest.mark.parametrize("drafter", ["auto", "pld"])
+def test_logits_processors_apply_as_in_mlx_lm(tiny, drafter):
+    """mlx-lm's own penalty and bias processors, passed as to mlx-lm, give mlx-lm's tokens."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer = tiny
+    z = 3 + ord("z")  # the tiny tokenizer's byte tokens come after its 3 special ones
+    processors = make_logits_processors({z: 12.0}, repetition_penalty=50.0, repetition_context_size=64)
+    prompt = "abcabcabc abc"
+    theirs = responses(mlx_stream(model, tokenizer, prompt, max_tokens=24, logits_processors=processors))
+    ours = responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, drafter=drafter,
+                                        logits_processors=processors))
+    assert ours == theirs
+    assert [r["token"] for r in ours].count(z) == 1  # the bias brought z in, the penalty kept it out since
+    assert ours != responses(mlx_stream(model, tokenizer, prompt, max_tokens=24))
+
+
 def test_a_stop_token_ends_like_mlx_lm(tiny):
     model, tokenizer = tiny
     prompt = "hello hello"

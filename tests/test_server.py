@@ -133,6 +133,45 @@ def test_bad_requests_get_4xx_json_errors(tiny_server):
     assert cases[-1].status_code == 413
 
 
+def test_penalties_and_logit_biases_by_each_protocol_s_names(tiny_server):
+    """llama.cpp's, OpenAI's (mlx-lm's server's) and Ollama's names for the penalties and biases reach
+    the model (tests/test_penalties.py checks them against mlx-lm's own processors)."""
+    z = 7 + ord("z")  # the tiny model's byte tokens come after its 7 special ones
+
+    def text(path, body):
+        r = httpx.post(f"{tiny_server}{path}", headers=AUTH, timeout=60, json=body)
+        assert r.status_code == 200, (path, r.text)
+        out = r.json()
+        if "choices" in out:
+            return out["choices"][0]["text"]
+        return out["content"] if "content" in out else out["response"]
+
+    llama = {"prompt": "ab ab ab ab", "n_predict": 16}
+    openai = {"prompt": "ab ab ab ab", "max_tokens": 16, "logit_bias": {str(z): 12.0}}
+    assert "z" not in text("/completion", llama)
+    biased = text("/completion", {**llama, "logit_bias": [[z, 12.0]]})
+    assert biased.startswith("zzzz"), biased
+    assert text("/completion", {**llama, "logit_bias": {str(z): 12.0}}) == text("/v1/completions", openai) == biased
+    assert "z" not in text("/completion", {**llama, "logit_bias": [[z, 12.0], [z, False]]})  # false: never
+    # the penalty over the last 64 tokens (llama.cpp's and Ollama's window) keeps z out once it is in
+    penalised = text("/completion", {**llama, "logit_bias": [[z, 12.0]], "repeat_penalty": 50.0})
+    assert penalised.count("z") == 1, penalised
+    assert text("/v1/completions", {**openai, "repetition_penalty": 50.0, "repetition_context_size": 64}) == penalised
+    ollama = {"prompt": "ab ab ab ab", "raw": True, "stream": False,
+              "options": {"num_predict": 16, "repeat_penalty": 50.0, "logit_bias": {str(z): 12.0}}}
+    assert text("/api/generate", ollama) == penalised
+    assert text("/completion", {**llama, "logit_bias": [[z, 12.0]], "repeat_penalty": 50.0,
+                                "repeat_last_n": 0}) == biased  # a window of 0: no penalty
+    for path, body in (("/completion", {**llama, "logit_bias": [[10**6, 1.0]]}),
+                       ("/v1/completions", {**openai, "logit_bias": {"-1": 1.0}}),
+                       ("/v1/completions", {**openai, "logit_bias": {"z": 1.0}}),
+                       ("/v1/completions", {**openai, "presence_penalty": 5.0}),
+                       ("/completion", {**llama, "repeat_last_n": -2}),
+                       ("/completion", {**llama, "repeat_penalty": -1.0})):
+        r = httpx.post(f"{tiny_server}{path}", headers=AUTH, timeout=30, json=body)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (body, r.status_code, r.text)
+
+
 def test_body_is_json_whatever_its_content_type(tiny_server):
     """`curl -d '{...}'` (Ollama's and llama.cpp's documented usage) sends a form Content-Type."""
     form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}

@@ -14,24 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, ClassVar, Iterator
 
 import anyio
 import mlx.core as mx
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import Session
 from ..engine import Interrupted
 from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, penalties
 from .batching import BatchRunner
 
 # The most tokens a request may ask for (a 32-bit int, as clients send): any limit is taken and the
@@ -77,11 +78,55 @@ class Sampling(Lenient):
     seed: int | None = Field(None, lt=1 << 64)  # negative: random, as llama.cpp's -1
     stop: str | list[str] | None = None
     stream: bool = False
+    # penalties over the last tokens (the prompt's too), as mlx-lm's logits processors apply them
+    repeat_penalty: float | None = Field(None, ge=0.0, le=100.0)  # llama.cpp's and Ollama's name (1: none)
+    repetition_penalty: float | None = Field(None, ge=0.0, le=100.0)  # mlx-lm's server's name
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # (null, as some clients send: none)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repeat_last_n: int | None = Field(None, ge=-1, le=1 << 20)  # tokens looked back over (-1: all, 0: none)
+    repetition_context_size: int | None = Field(None, ge=0, le=1 << 20)  # mlx-lm's name
+    logit_bias: dict[int, float] | None = None  # token id -> bias (_biases: as clients send them)
+    WINDOW: ClassVar[int] = 64  # llama.cpp's and Ollama's repeat_last_n by default
 
     def params(self, offset: int = 0) -> SamplingParams:
         seed = None if self.seed is None or self.seed < 0 else (self.seed + offset) % (1 << 64)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=seed)
+                              min_p=self.min_p, seed=seed, logits_processors=self.processors())
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases(cls, value):
+        """OpenAI's {"id": bias} or llama.cpp's [[id, bias], ...]; a bias of false: never that token."""
+        if value is None:
+            return None
+        pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise ValueError('give {"token id": bias, ...} or [[token id, bias], ...]')
+        out = {}
+        for token, bias in pairs:
+            whole = isinstance(token, int) or (isinstance(token, str) and token.lstrip("-").isdigit())
+            if isinstance(token, bool) or not whole:
+                raise ValueError(f"token ids must be integers (got {token!r})")
+            if bias is True:  # (llama.cpp: true leaves a token as it is)
+                continue
+            if bias is not False and not (isinstance(bias, (int, float)) and abs(bias) <= 1e4):
+                raise ValueError(f"a bias must be a number from -10000 to 10000, or false (got {bias!r})")
+            out[int(token)] = -math.inf if bias is False else float(bias)
+        return out
+
+    def biases(self) -> dict[int, float]:
+        return dict(self.logit_bias or {})
+
+    def processors(self) -> tuple:
+        window = next((w for w in (self.repetition_context_size, self.repeat_last_n) if w is not None), self.WINDOW)
+        repetition = self.repetition_penalty if self.repetition_penalty is not None else self.repeat_penalty
+        return penalties(repetition, self.presence_penalty or 0.0, self.frequency_penalty or 0.0, window,
+                         self.biases())
+
+    def check_biases(self, vocab: int) -> None:
+        wrong = sorted(t for t in self.biases() if not 0 <= t < vocab)
+        if wrong:
+            raise CachebackError(f"logit_bias: token ids must be in [0, {vocab}); got {wrong[0]}")
 
     def stops(self) -> list[str]:
         if isinstance(self.stop, str):
@@ -275,6 +320,7 @@ class Generator:
         if cut:
             job.ids, job.truncated = ids, True
         self.session.engine.check(job.ids, job.max_tokens)
+        job.sampling.check_biases(self.session.engine.vocab_size)
 
     def steps(self, job: Job, offset: int = 0, stop=None) -> Iterator[str]:
         """Text pieces as they become final (stop strings and rules applied), one per engine step

@@ -26,6 +26,7 @@ class StreamOptions(Lenient):
 
 
 class OpenAIParams(Sampling):
+    WINDOW = 20  # mlx-lm's server's repetition_context_size by default
     model: str | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=0, le=TOKEN_LIMIT)
