@@ -44,7 +44,7 @@ from .engine import Engine, Interrupted, Stats, accept
 from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
-from .sampling import SamplingParams, token_picker, top_tokens
+from .sampling import SamplingParams, processed_rows, token_picker, top_tokens
 from .shared_pass import batch_pass
 from .sharing import sharing
 from .slots import Sequence, choose_sequence, reusable
@@ -88,6 +88,7 @@ class Lane:
     done: bool = False
     finish_reason: str | None = None  # "stop" (EOS) or "length"
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill, its last one included
+    processors: tuple = ()  # its logits processors (SamplingParams.logits_processors)
 
     @property
     def prefilling(self) -> bool:
@@ -232,7 +233,7 @@ class Batch:
         sizer = eng.sizer and eng.sizer.lane()
         max_tokens = min(max_tokens, eng.context_length - len(prompt))
         lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats,
-                    pending=pending)
+                    pending=pending, processors=sampling.logits_processors)
         self.lanes[i] = lane
         return lane
 
@@ -364,7 +365,9 @@ class Batch:
         width = max(p[3] for p in passes)  # side by side, every lane's rows in the pass
         logits = (batch_pass(self.model, passes + riding, self.packed, read=len(passes)) if shared else
                   [verify_pass(self.model, c, lead, t, rows=r) for c, lead, t, r in passes])
-        picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree, lane.seq.history)
+        logits = [processed_rows(lane.processors, x, lane.seq.history, tree)  # penalties, biases
+                  for lane, x, tree in zip(lanes, logits, trees)]
+        picks = [lane.pick(x, len(lane.seq.cached) + len(lane.seq.lead), tree)
                  for lane, x, tree in zip(lanes, logits, trees)]
         best = [lane.drafter.alternatives for lane in lanes]  # next-best tokens at each row, for the drafter
         tops = [top_tokens(x, 1 + k) if k > 0 else None for x, k in zip(logits, best)]

@@ -39,7 +39,7 @@ from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
 from .run_ahead import RunAhead
-from .sampling import SamplingParams, token_picker, top_tokens
+from .sampling import SamplingParams, processed_rows, token_picker, top_tokens
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix, forced_picks
 from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass, warm_up
@@ -492,7 +492,9 @@ class Engine:
                         logits, tree, size, ahead = ahead, DraftTree.empty(), len(lead), None
                     else:
                         logits = self._verify(lead, tree, size)
-                    picks = pick(logits, len(seq.cached) + len(lead), tree, seq.history)
+                    # pick: penalties and biases first, each row after its own tokens; then each row's token
+                    logits = processed_rows(sampling.logits_processors, logits, seq.history, tree)
+                    picks = pick(logits, len(seq.cached) + len(lead), tree)
                     # the model's best tokens at each row, for the drafter (Drafter.alternatives); not in
                     # a forced run, whose drafter hears only what a replay of the recording knows
                     best = self.drafter.alternatives if forced is None else 0

@@ -111,7 +111,7 @@ def host_picker(temperature: float, top_p: float, min_p: float, top_k: int, seed
     """pick(logits [rows, vocab], first, tree) -> the rows' tokens (an mx.array), each row chosen
     by `choose` on the host; positions as in sampling.token_picker."""
 
-    def pick(logits: mx.array, first: int = 0, tree=None, history=()) -> mx.array:
+    def pick(logits: mx.array, first: int = 0, tree=None) -> mx.array:
         logits = logits.astype(mx.float32)
         if seed is None:
             uniforms = mx.random.uniform(shape=(logits.shape[0],))

@@ -85,7 +85,9 @@ def penalties(repetition: float | None = None, presence: float = 0.0, frequency:
 def processed_rows(processors: Sequence[Callable], logits: mx.array, history: Sequence[int], tree) -> mx.array:
     """Every row of a pass's logits (the root's, then each node's) through the processors, each row
     with the tokens before its own next one: `history` (the sequence so far, the root's token last),
-    then the tree's path down to the row's node."""
+    then the tree's path down to the row's node. The logits as they are without processors."""
+    if not processors:
+        return logits
     base = np.asarray(history, np.int32)
     paths: list[np.ndarray] = [base]  # row r's tokens: its node's parent's, then the node's token
     for token, parent in zip(tree.tokens.tolist() if tree is not None else [],
@@ -101,24 +103,13 @@ def processed_rows(processors: Sequence[Callable], logits: mx.array, history: Se
 
 
 def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
-    """A function pick(logits [1 + len(tree), vocab], first, tree, history) -> one token per row:
-    the rows of a pass over the root (the token at position `first`, the last of `history`) and the
-    tree's nodes. A seeded one draws each position's token from a key of that seed and position
-    (seeded_picker); an unseeded one from MLX's global random state, as mlx-lm does. With logits
-    processors, each row's logits go through them first (processed_rows)."""
-    pick = _picker(params)
-    if not params.logits_processors:
-        return pick
-
-    def processed(logits: mx.array, first=0, tree=None, history=()) -> mx.array:
-        return pick(processed_rows(params.logits_processors, logits, history, tree), first, tree)
-
-    return processed
-
-
-def _picker(params: SamplingParams) -> Callable[..., mx.array]:
+    """A function pick(logits [1 + len(tree), vocab], first, tree) -> one token per row: the rows
+    of a pass over the root (the token at position `first`) and the tree's nodes, their logits
+    processed already (processed_rows). A seeded one draws each position's token from a key of
+    that seed and position (seeded_picker); an unseeded one from MLX's global random state, as
+    mlx-lm does."""
     if params.greedy:
-        return lambda logits, first=0, tree=None, history=(): mx.argmax(logits, axis=-1)
+        return lambda logits, first=0, tree=None: mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
     if HOST_SAMPLING and mx.default_device() == mx.cpu:  # MLX's CPU sort and exp are slow: host_sampling.py
         return host_picker(params.temperature, top_p, params.min_p, params.top_k, params.seed)
@@ -127,7 +118,7 @@ def _picker(params: SamplingParams) -> Callable[..., mx.array]:
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
     without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
 
-    def pick(logits: mx.array, first=0, tree=None, history=()) -> mx.array:
+    def pick(logits: mx.array, first=0, tree=None) -> mx.array:
         logits = logits.astype(mx.float32)
         sampler = with_k if 0 < params.top_k < logits.shape[-1] else without_k  # k >= vocab: no cut
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -173,7 +164,7 @@ def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.arra
     sharing its passes (batch.py)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    def pick(logits: mx.array, first: int, tree, history=()) -> mx.array:
+    def pick(logits: mx.array, first: int, tree) -> mx.array:
         positions = tree.positions(first)  # only a seeded draw needs them
         logits = logits.astype(mx.float32)
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

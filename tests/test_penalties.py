@@ -70,6 +70,7 @@ def test_each_row_is_processed_after_its_own_path():
     out = processed_rows([spy], logits, [1, 2, 3], tree)
     assert heard == [[1, 2, 3], [1, 2, 3, 11], [1, 2, 3, 11, 12], [1, 2, 3, 13], [1, 2, 3, 13, 14]]
     assert np.array_equal(np.asarray(out), np.asarray(logits))
+    assert processed_rows((), logits, [1, 2, 3], tree) is logits  # no processors: nothing to do
 
 
 def test_penalties_match_mlx_lm_s_processors_and_off_means_none():
