@@ -88,10 +88,8 @@ def processed_rows(processors: Sequence[Callable], logits: mx.array, history: Se
     then the tree's path down to the row's node. The logits as they are without processors."""
     if not processors:
         return logits
-    base = np.asarray(history, np.int32)
-    paths: list[np.ndarray] = [base]  # row r's tokens: its node's parent's, then the node's token
-    for token, parent in zip(tree.tokens.tolist() if tree is not None else [],
-                             tree.parents.tolist() if tree is not None else []):
+    paths = [np.asarray(history, np.int32)]  # row r's tokens: its node's parent's, then the node's token
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()) if tree is not None else ():
         paths.append(np.append(paths[parent + 1], np.int32(token)))
     rows = []
     for r, tokens in enumerate(paths[: logits.shape[0]]):
