@@ -35,7 +35,7 @@ def run(model, drafter, sampling, prompt=PROMPT, n=N, **kw):
     return [t for step in eng.generate(prompt, n, sampling) for t in step], eng
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
 def test_greedy_with_penalties_equals_mlx_lm_with_any_drafts(family):
     model = zoo.tiny_model(family)
     processors = penalties(**PENALTIES)
