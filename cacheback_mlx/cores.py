@@ -5,9 +5,10 @@ OpenBLAS's threads wait for work by spinning. Two processes that each run one th
 on the same cores take turns at every product, and each runs many times slower than alone (two
 `generate`s at once on 2 cores: ~30x slower each, docs/BENCHMARKS.md §11), where one thread each
 costs them ~1.4x. So each process says when it is busy (a generation, a prefill, a measurement)
-by holding an exclusive lock on a file of its own in a shared folder, and before each pass counts
-the other files whose lock is held: with n processes busy, each runs cores // n threads (at least
-one). A process that ends, however it ends, lets go of its lock; a file whose process is gone is
+by holding an exclusive lock on a file of its own in one folder per user for the whole machine
+(in the temporary folder, whatever cache folder each process keeps its state in), and before each
+pass counts the other files whose lock is held: with n processes busy, each runs cores // n threads
+(at least one). A process that ends, however it ends, lets go of its lock; a file whose process is gone is
 removed by the next one to look. OPENBLAS_NUM_THREADS, when set, stays the most a process runs.
 Where no OpenBLAS is loaded (macOS: Accelerate, or MLX's own BLAS) nothing changes.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +31,20 @@ except ImportError:  # no flock (Windows): every process keeps its own count
 CHECK_S = 0.25  # how often a busy process looks at the others again
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cacheback-mlx" / "busy"
+def busy_dir() -> Path:
+    """The folder where this user's processes say they are busy: one for the machine, not one per
+    cache folder (a server and a script with different XDG_CACHE_HOMEs share the same cores). A
+    folder of that name owned by someone else is not used: then the cache folder's, as before."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = Path(tempfile.gettempdir()) / f"cacheback-mlx-{uid}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        if folder.is_symlink() or folder.stat().st_uid != uid:
+            raise PermissionError(folder)
+    except OSError:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "cacheback-mlx" / "busy"
+    return folder / "busy"
 
 
 def machine_cores() -> int:
@@ -44,26 +57,27 @@ def machine_cores() -> int:
 class CoreShare:
     """This process's share of the machine's cores, for OpenBLAS."""
 
-    def __init__(self):
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder  # where the busy files are; None: busy_dir() at each look
         self.cores = machine_cores()
         env = os.environ.get("OPENBLAS_NUM_THREADS", "")
         self.limit = max(1, min(int(env), self.cores)) if env.isdigit() and int(env) > 0 else self.cores
         self.threads = blas.threads()
         self.others = 0  # other processes found busy at the last look
         self._file = None
-        self._folder: Path | None = None
+        self._opened: Path | None = None
         self._depth = 0
         self._checked = 0.0
 
     def _mark(self, busy: bool) -> None:
         if fcntl is None:
             return
-        folder = cache_dir()
-        if self._file is None or folder != self._folder:
+        folder = self.folder or busy_dir()
+        if self._file is None or folder != self._opened:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 self._file = open(folder / str(os.getpid()), "a+")
-                self._folder = folder
+                self._opened = folder
             except OSError:
                 self._file = None
                 return
@@ -74,7 +88,7 @@ class CoreShare:
         if fcntl is None:
             return 0
         busy = 0
-        folder = cache_dir()
+        folder = self.folder or busy_dir()
         try:
             entries = list(folder.iterdir())
         except OSError:

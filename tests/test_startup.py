@@ -190,14 +190,13 @@ def test_idle_measurement_goes_a_pass_at_a_time_and_is_taken_up(tmp_path, monkey
 
 
 @pytest.mark.skipif(blas.library is None, reason="no OpenBLAS loaded")
-def test_busy_processes_share_the_cores(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    share = cores.CoreShare()
+def test_busy_processes_share_the_cores(tmp_path):
+    share = cores.CoreShare(folder=tmp_path / "busy")
     share.cores = share.limit = 4
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys, time; d = sys.argv[1]; os.makedirs(d, exist_ok=True); "
         "f = open(os.path.join(d, str(os.getpid())), 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
-        "print('busy', flush=True); time.sleep(60)"), str(cores.cache_dir())], stdout=subprocess.PIPE, text=True)
+        "print('busy', flush=True); time.sleep(60)"), str(share.folder)], stdout=subprocess.PIPE, text=True)
     before = blas.threads()
     try:
         assert holder.stdout.readline().strip() == "busy"
@@ -208,10 +207,42 @@ def test_busy_processes_share_the_cores(tmp_path, monkeypatch):
         holder.wait()
         with share.busy():  # the other process is gone: its file is removed, all cores again
             assert share.others == 0 and share.threads == 4
-        assert not (cores.cache_dir() / str(holder.pid)).exists()
+        assert not (share.folder / str(holder.pid)).exists()
     finally:
         holder.kill()
         blas.set_threads(before)
+
+
+@pytest.mark.skipif(blas.library is None, reason="no OpenBLAS loaded")
+def test_processes_with_different_cache_folders_share_the_cores(tmp_path):
+    """A busy process whose XDG_CACHE_HOME is another folder still counts: one folder per machine."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "elsewhere")}
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from cacheback_mlx import cores\n"
+        "with cores.share.busy():\n    print('busy', flush=True); time.sleep(60)")],
+        env=env, stdout=subprocess.PIPE, text=True)
+    share = cores.CoreShare()
+    try:
+        assert holder.stdout.readline().strip() == "busy"
+        assert (cores.busy_dir() / str(holder.pid)).exists()
+        assert share.others_busy() >= 1
+        holder.kill()
+        holder.wait()
+        share.others_busy()  # the file of a process that is gone is removed by the next look
+        assert not (cores.busy_dir() / str(holder.pid)).exists()
+    finally:
+        holder.kill()
+
+
+def test_a_busy_folder_owned_by_someone_else_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cores.tempfile, "gettempdir", lambda: str(tmp_path))
+    uid = os.getuid()
+    assert cores.busy_dir() == tmp_path / f"cacheback-mlx-{uid}" / "busy"
+    (tmp_path / f"cacheback-mlx-{uid}").rmdir()
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / f"cacheback-mlx-{uid}").symlink_to(tmp_path / "theirs")
+    assert cores.busy_dir() == tmp_path / "cache" / "cacheback-mlx" / "busy"
 
 
 def _first_byte(env, *args):
