@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Iterator, Sequence
 
+from jinja2.exceptions import TemplateError
 from mlx.utils import tree_flatten
 
 from . import cores
@@ -167,9 +168,11 @@ class Session:
     def reset(self) -> None:
         self.engine.reset()
 
-    def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None) -> list[int]:
+    def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None,
+               tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids for a prompt: text (through the chat template when chat, the default for
-        models that have one) or a list of chat messages."""
+        models that have one) or a list of chat messages; `tools` (OpenAI's function schemas) go
+        to the template for models whose template has tool calls (tool_calls.py)."""
         if isinstance(prompt, str) and not prompt.strip():
             raise CachebackError("empty prompt")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -184,7 +187,11 @@ class Session:
             messages = [{"role": "system", "content": system}] + messages
         if not messages:
             raise CachebackError("empty prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": list(tools)} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except TemplateError as e:  # the template's own checks (roles out of order, a role it has not)
+            raise CachebackError(f"chat template: {e}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def fit(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], bool]:

@@ -8,6 +8,8 @@ that in mlx-lm's TokenizerWrapper, which adds streaming detokenization.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -83,7 +85,23 @@ def tokenizer_from_gguf(meta: dict) -> TokenizerWrapper:
     hf.chat_template = meta.get("tokenizer.chat_template")
     if kind == "llama" and bool(_value(meta, "tokenizer.ggml.add_bos_token", True)):
         hf.add_bos_token = True
-    return TokenizerWrapper(hf, detokenizer_class=detok)
+    return TokenizerWrapper(hf, detokenizer_class=detok, **tool_markup(hf))
+
+
+def tool_markup(hf) -> dict:
+    """mlx-lm's tool-call parser for a chat template (the one mlx_lm.tokenizer_utils.load infers for
+    a folder's tokenizer), as TokenizerWrapper's arguments; {} when the template has none."""
+    try:
+        from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+        name = _infer_tool_parser(hf)
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}") if name else None
+    except (ImportError, AttributeError):  # an mlx-lm without it: no tool calls
+        return {}
+    if module is None:
+        return {}
+    return {"tool_parser": module.parse_tool_call, "tool_call_start": module.tool_call_start,
+            "tool_call_end": module.tool_call_end}
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -73,7 +73,8 @@ def byte_level_symbols() -> list[str]:
 
 
 def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, seed: int = 0,
-                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, fim: bool = False):
+                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, fim: bool = False,
+                    chat_template: str | None = None):
     """A tiny llama GGUF (random weights, byte-level tokenizer with no merges) for loader tests.
     Returns the mlx-lm model holding the same weights."""
     dtype = dtype or mx.float32
@@ -119,8 +120,9 @@ def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, se
         "tokenizer.ggml.token_type": mx.array([3] * len(specials) + [1] * 256, dtype=mx.int32),
         "tokenizer.ggml.eos_token_id": u32(2),
         "tokenizer.ggml.bos_token_id": u32(1),
-        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "tokenizer.chat_template": chat_template or (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     }
     mx.save_gguf(str(path), arrays, meta)
     return model

@@ -467,11 +467,12 @@ class Generator:
             yield "data: [DONE]\n\n"
 
 
-def encode_text(session: Session, text: str, chat: bool = False, messages=None) -> list[int]:
-    """Token ids of a plain prompt (or chat messages through the template); empty is an error."""
+def encode_text(session: Session, text: str, chat: bool = False, messages=None, tools=None) -> list[int]:
+    """Token ids of a plain prompt (or chat messages, and the tools offered, through the template);
+    empty is an error."""
     if not (text or messages):
         raise CachebackError("empty prompt")
-    return session.encode(messages if messages is not None else text, chat=chat)
+    return session.encode(messages if messages is not None else text, chat=chat, tools=tools)
 
 
 @dataclass

@@ -15,9 +15,14 @@ empty prompt (or no messages on /api/chat) only "loads" the model, as Ollama ans
 
 /api/show advertises `insert` (suffix support) always, `num_ctx` in `parameters` and a `template`
 that mentions `.Suffix`: Continue reads the context length from the former and turns FIM on only
-when the template has `.Suffix` (its test for FIM support). The model's own Jinja chat template is
+when the template has `.Suffix` (its test for FIM support); `tools` where the chat template has
+tool calls (clients offer tools only to such models). The model's own Jinja chat template is
 in model_info["tokenizer.chat_template"], where GGUF files keep it. Errors are Ollama's
 `{"error": "message"}` (request validation errors keep the app-wide shape).
+
+/api/chat takes `tools` as Ollama does (OpenAI's function schemas) and answers the model's calls in
+`message.tool_calls` (arguments as objects); messages may carry the assistant's calls and "tool"
+messages with their results (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from contextlib import aclosing
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -38,6 +43,7 @@ from pydantic import Field, model_validator
 
 from ..errors import CachebackError
 from .core import Context, Job, Lenient, Sampling, encode_text
+from .tool_calls import ToolCalls, ollama_calls, template_messages
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
 
@@ -77,10 +83,18 @@ class Message(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_name: str | None = None  # a tool's result: the tool that gave it
+
+    def plain(self) -> dict:
+        out = {"role": self.role, "content": self.content or ""}
+        extra = {"tool_calls": self.tool_calls, "name": self.tool_name}
+        return out | {k: v for k, v in extra.items() if v is not None}
 
 
 class ChatRequest(OllamaRequest):
     messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None
 
 
 class ShowRequest(Lenient):
@@ -101,6 +115,7 @@ def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     session, loaded = ctx.session, ctx.session.loaded
     source = str(loaded.source)  # the file or folder loaded
+    tool_calling = bool(getattr(session.tokenizer, "has_tool_calling", False))  # clients look for "tools"
 
     def tag() -> str:
         return ctx.model_id if ":" in ctx.model_id else f"{ctx.model_id}:latest"
@@ -164,11 +179,19 @@ def router(ctx: Context) -> APIRouter:
                         data = json.dumps({"error": err.get("message", "") if isinstance(err, dict) else str(err)})
                     yield data + "\n"
 
-    async def answer(request: Request, req: OllamaRequest, job: Job, started: int, chat: bool, fim: bool | None = None):
+    async def answer(request: Request, req: OllamaRequest, job: Job, started: int, chat: bool, fim: bool | None = None,
+                     tools: list[dict] | None = None):
         model = req.model or tag()
+        split = ToolCalls.of(session.tokenizer, tools)
+
+        def message(piece: str, done: bool) -> dict:
+            calls = []
+            if split is not None:
+                piece, calls = split.feed(piece, final=done)
+            return {"role": "assistant", "content": piece} | ({"tool_calls": ollama_calls(calls)} if calls else {})
 
         def line(piece: str, done: bool) -> dict:
-            body = {"message": {"role": "assistant", "content": piece}} if chat else {"response": piece}
+            body = {"message": message(piece, done)} if chat else {"response": piece}
             out = {"model": model, "created_at": now()} | body
             return out | final(job, started, fim) if done else out | {"done": False}
 
@@ -177,8 +200,7 @@ def router(ctx: Context) -> APIRouter:
         runs = await ctx.gen.complete(request, job)
         if not runs:  # the client went away
             return JSONResponse({})
-        return JSONResponse(line("", True) | ({"message": {"role": "assistant", "content": job.text}} if chat
-                                               else {"response": job.text}))
+        return JSONResponse(line(job.text if chat else "", True) | ({} if chat else {"response": job.text}))
 
     def loaded_only(req: OllamaRequest, chat: bool) -> JSONResponse:
         """An empty prompt: Ollama's answer to a load (or, with keep_alive 0, unload) request."""
@@ -220,13 +242,15 @@ def router(ctx: Context) -> APIRouter:
             return oerror(400, f"{ctx.model_id} does not accept images")
         if not req.messages:
             return loaded_only(req, chat=True)
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        messages = template_messages([m.plain() for m in req.messages])
         try:
-            job = Job(encode_text(session, "", chat=True, messages=messages), req.limit(ctx), req.options)
+            ToolCalls.of(session.tokenizer, req.tools)
+            ids = encode_text(session, "", chat=True, messages=messages, tools=req.tools)
+            job = Job(ids, req.limit(ctx), req.options)
             ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:
             return oerror(400, str(e))
-        return await answer(request, req, job, started, chat=True)
+        return await answer(request, req, job, started, chat=True, tools=req.tools)
 
     @api.post("/api/show")
     async def show(req: ShowRequest):
@@ -241,7 +265,8 @@ def router(ctx: Context) -> APIRouter:
                 "modelfile": f"# Modelfile of cacheback-mlx\nFROM {source}\n"
                              f"PARAMETER num_ctx {loaded.context_length}\n",
                 "parameters": f"{'num_ctx':<30} {loaded.context_length}", "template": go_template(),
-                "details": details(), "model_info": info, "capabilities": ["completion", "insert"]}
+                "details": details(), "model_info": info,
+                "capabilities": ["completion", "insert"] + (["tools"] if tool_calling else [])}
 
     @api.get("/api/tags")
     def tags():

@@ -6,19 +6,24 @@ llama.vim's warm-up: prefill the messages and answer with an empty message), `t_
 A stream's last chunk carries the usage (as llama.cpp's did, and clients that never ask for it read
 it there); with `stream_options: {"include_usage": true}` the usage comes in a chunk of its own
 after it, with no choices, as OpenAI's protocol says.
+
+Chat requests may offer `tools` (with `tool_choice` "auto" or "none"); the model's calls come back
+as `tool_calls` with finish_reason "tool_calls", and the conversation may carry the assistant's
+calls and "tool" messages with their results (tool_calls.py).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
+from .tool_calls import ToolCalls, check_choice, openai_calls, template_messages
 
 
 class StreamOptions(Lenient):
@@ -56,17 +61,28 @@ class Part(Lenient):
 
 
 class Message(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = ""
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
     def plain(self) -> dict:
         text = (self.content if isinstance(self.content, str)
                 else "".join(p.text for p in self.content or [] if p.type == "text"))
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id, "name": self.name}
+        return out | {k: v for k, v in extra.items() if v is not None}
 
 
 class ChatRequest(OpenAIParams):
     messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def offered(self) -> list[dict] | None:
+        """The tools the model sees (none with tool_choice "none")."""
+        return self.tools if check_choice(self.tool_choice) and self.tools else None
 
 
 def router(ctx: Context) -> APIRouter:
@@ -78,17 +94,29 @@ def router(ctx: Context) -> APIRouter:
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
                 "prompt_tokens_details": {"cached_tokens": job.timings.get("cache_n", 0)}}
 
-    async def answer(request: Request, req: OpenAIParams, job: Job, kind: str, extra: dict | None = None):
+    async def answer(request: Request, req: OpenAIParams, job: Job, kind: str, extra: dict | None = None,
+                     tools: list[dict] | None = None):
         rid, created = f"{'chatcmpl' if kind != 'text' else 'cmpl'}-{uuid.uuid4().hex[:12]}", int(time.time())
         head = {"id": rid, "created": created, "model": ctx.model_id}
+        streamed = ToolCalls.of(session.tokenizer, tools)  # the stream's calls, split as its text comes
 
         def choice(text: str, index: int, done: bool, run: Job, stream: bool) -> dict:
             reason = run.finish_reason if done else None
             if kind == "text":
                 return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+            split = streamed if stream else ToolCalls.of(session.tokenizer, tools)
+            calls = []
+            if split is not None:
+                text, calls = split.feed(text, final=done)
+                if done and split.made and reason == "stop":
+                    reason = "tool_calls"
             if stream:
-                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
-            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                delta = ({"content": text} if text else {}) | (
+                    {"tool_calls": openai_calls(calls, split.made - len(calls), stream=True)} if calls else {})
+                return {"index": index, "delta": delta, "finish_reason": reason}
+            message = {"role": "assistant", "content": (text or None) if calls else text}
+            return {"index": index, "message": message | ({"tool_calls": openai_calls(calls)} if calls else {}),
+                    "finish_reason": reason}
 
         obj = "text_completion" if kind == "text" else "chat.completion"
         if req.stream and job.max_tokens:
@@ -135,9 +163,12 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/v1/chat/completions")
     @api.post("/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        ids = encode_text(session, "", chat=True, messages=[m.plain() for m in req.messages])
+        tools = req.offered()
+        ToolCalls.of(session.tokenizer, tools)  # a model without tool calls: 400 before anything runs
+        ids = encode_text(session, "", chat=True, messages=template_messages([m.plain() for m in req.messages]),
+                          tools=tools)
         job = Job(ids, req.limit(ctx, 512), req, t_max_predict_ms=req.t_max_predict_ms)
         gen.check(job)
-        return await answer(request, req, job, "chat")
+        return await answer(request, req, job, "chat", tools=tools)
 
     return api
