@@ -190,8 +190,8 @@ class Session:
         extra = {"tools": list(tools)} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-        except TemplateError as e:  # the template's own checks (roles out of order, a role it has not)
-            raise CachebackError(f"chat template: {e}") from None
+        except (TemplateError, TypeError, ValueError) as e:  # its own checks (roles out of order), or
+            raise CachebackError(f"chat template: {e}") from None  # values it cannot render
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def fit(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], bool]:

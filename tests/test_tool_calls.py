@@ -241,3 +241,23 @@ def test_tools_for_a_model_without_tool_calls_are_a_one_line_400(no_tools_server
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}],
                                                        "max_tokens": 4}, timeout=60)
     assert r.status_code == 200  # a tool's message goes to the template as any other
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [1]},
+    {"tools": [{"type": "function", "function": "get_weather"}]},
+    {"tools": [{"type": "function", "function": {"name": {"a": 1}}}]},
+    {"extra": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+    {"extra": [{"role": "assistant", "tool_calls": [{}]}]},
+    {"extra": [{"role": "assistant", "tool_calls": [{"function": {"name": 1, "arguments": "{}"}}]}]},
+    {"tool_choice": 5},
+])
+def test_malformed_tools_and_calls_are_4xx_by_both_protocols(tool_server, body):
+    _, url = tool_server
+    messages = [{"role": "user", "content": "hi"}, *body.get("extra", [])]
+    sent = {k: v for k, v in body.items() if k != "extra"} | {"messages": messages, "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=sent, timeout=60)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text
+    if "tool_choice" not in body:
+        r = httpx.post(f"{url}/api/chat", json=sent | {"stream": False}, timeout=60)
+        assert 400 <= r.status_code < 500, r.text

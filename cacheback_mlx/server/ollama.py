@@ -33,7 +33,7 @@ import time
 from contextlib import aclosing
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 
 from ..errors import CachebackError
 from .core import Context, Job, Lenient, Sampling, encode_text
-from .tool_calls import ToolCalls, ollama_calls, template_messages
+from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, ollama_calls, template_messages
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
 
@@ -83,18 +83,21 @@ class Message(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[str] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_name: str | None = None  # a tool's result: the tool that gave it
 
     def plain(self) -> dict:
         out = {"role": self.role, "content": self.content or ""}
-        extra = {"tool_calls": self.tool_calls, "name": self.tool_name}
+        extra = {"tool_calls": as_dicts(self.tool_calls), "name": self.tool_name}
         return out | {k: v for k, v in extra.items() if v is not None}
 
 
 class ChatRequest(OllamaRequest):
     messages: list[Message] = []
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+
+    def offered(self) -> list[dict] | None:
+        return as_dicts(self.tools) or None
 
 
 class ShowRequest(Lenient):
@@ -244,13 +247,13 @@ def router(ctx: Context) -> APIRouter:
             return loaded_only(req, chat=True)
         messages = template_messages([m.plain() for m in req.messages])
         try:
-            ToolCalls.of(session.tokenizer, req.tools)
-            ids = encode_text(session, "", chat=True, messages=messages, tools=req.tools)
+            ToolCalls.of(session.tokenizer, req.offered())
+            ids = encode_text(session, "", chat=True, messages=messages, tools=req.offered())
             job = Job(ids, req.limit(ctx), req.options)
             ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:
             return oerror(400, str(e))
-        return await answer(request, req, job, started, chat=True, tools=req.tools)
+        return await answer(request, req, job, started, chat=True, tools=req.offered())
 
     @api.post("/api/show")
     async def show(req: ShowRequest):

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
-from .tool_calls import ToolCalls, check_choice, openai_calls, template_messages
+from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, check_choice, openai_calls, template_messages
 
 
 class StreamOptions(Lenient):
@@ -63,7 +63,7 @@ class Part(Lenient):
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = ""
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
     name: str | None = None
 
@@ -71,18 +71,18 @@ class Message(Lenient):
         text = (self.content if isinstance(self.content, str)
                 else "".join(p.text for p in self.content or [] if p.type == "text"))
         out = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id, "name": self.name}
+        extra = {"tool_calls": as_dicts(self.tool_calls), "tool_call_id": self.tool_call_id, "name": self.name}
         return out | {k: v for k, v in extra.items() if v is not None}
 
 
 class ChatRequest(OpenAIParams):
     messages: list[Message] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
     def offered(self) -> list[dict] | None:
         """The tools the model sees (none with tool_choice "none")."""
-        return self.tools if check_choice(self.tool_choice) and self.tools else None
+        return as_dicts(self.tools) if check_choice(self.tool_choice) and self.tools else None
 
 
 def router(ctx: Context) -> APIRouter:

@@ -15,11 +15,42 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from ..errors import CachebackError
+from .core import Lenient
 
 log = logging.getLogger(__name__)
+
+
+class Function(Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Lenient):
+    """A tool offered (OpenAI's and Ollama's shape)."""
+
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class Called(Lenient):
+    name: str
+    arguments: str | dict[str, Any] = {}  # OpenAI sends a JSON string, Ollama an object
+
+
+class ToolCall(Lenient):
+    """A call an assistant's message carries."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: Called
+
+
+def as_dicts(items: Sequence[Lenient] | None) -> list[dict] | None:
+    return [i.model_dump(exclude_none=True) for i in items] if items is not None else None
 
 
 def check_choice(choice: Any) -> bool:
