@@ -34,7 +34,11 @@ CHECK_S = 0.25  # how often a busy process looks at the others again
 def busy_dir() -> Path:
     """The folder where this user's processes say they are busy: one for the machine, not one per
     cache folder (a server and a script with different XDG_CACHE_HOMEs share the same cores). A
-    folder of that name owned by someone else is not used: then the cache folder's, as before."""
+    folder of that name owned by someone else is not used: then the cache folder's, as before.
+    CACHEBACK_MLX_BUSY_DIR, when set, is the folder instead (processes that should count only each
+    other: a test session)."""
+    if os.environ.get("CACHEBACK_MLX_BUSY_DIR"):
+        return Path(os.environ["CACHEBACK_MLX_BUSY_DIR"])
     uid = os.getuid() if hasattr(os, "getuid") else 0
     folder = Path(tempfile.gettempdir()) / f"cacheback-mlx-{uid}"
     try:

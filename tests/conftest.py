@@ -131,16 +131,20 @@ def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, se
 @pytest.fixture(autouse=True, scope="session")
 def private_cache_home(tmp_path_factory):
     """State the runtime keeps on disk (SSD buffers, measured pass costs) goes to a temporary
-    folder, never the user's ~/.cache; one per test session, so costs are measured once."""
+    folder, never the user's ~/.cache; one per test session, so costs are measured once. The
+    session's processes count only each other as busy (cores.py), not the user's other ones."""
     import os
 
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    folders = {"XDG_CACHE_HOME": tmp_path_factory.mktemp("xdg-cache"),
+               "CACHEBACK_MLX_BUSY_DIR": tmp_path_factory.mktemp("busy")}
+    old = {k: os.environ.get(k) for k in folders}
+    os.environ.update({k: str(v) for k, v in folders.items()})
     yield
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def pytest_collection_modifyitems(config, items):

@@ -235,6 +235,7 @@ def test_processes_with_different_cache_folders_share_the_cores(tmp_path):
 
 
 def test_a_busy_folder_owned_by_someone_else_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.delenv("CACHEBACK_MLX_BUSY_DIR")  # (the test session's own)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(cores.tempfile, "gettempdir", lambda: str(tmp_path))
     uid = os.getuid()
@@ -243,6 +244,8 @@ def test_a_busy_folder_owned_by_someone_else_is_not_used(tmp_path, monkeypatch):
     (tmp_path / "theirs").mkdir()
     (tmp_path / f"cacheback-mlx-{uid}").symlink_to(tmp_path / "theirs")
     assert cores.busy_dir() == tmp_path / "cache" / "cacheback-mlx" / "busy"
+    monkeypatch.setenv("CACHEBACK_MLX_BUSY_DIR", str(tmp_path / "mine"))
+    assert cores.busy_dir() == tmp_path / "mine"
 
 
 def _first_byte(env, *args):

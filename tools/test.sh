@@ -20,7 +20,7 @@ cores=$("$python" -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(o
 workers=$(( cores < 4 ? cores : 4 ))
 # one BLAS thread per core in all: OpenBLAS's threads spin while they wait, and workers that each
 # ran one per core would take turns at every product (cores.py does the same between processes
-# that share a cache folder; each worker has its own)
+# on one machine; each worker's test session counts only its own: conftest.py)
 OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$(( cores / workers > 1 ? cores / workers : 1 ))} \
     "$python" -m pytest -q -n "$workers" -m "$(both "not serial")" ${args[@]+"${args[@]}"}
 rest=$?
