@@ -40,11 +40,11 @@ import numpy as np
 from .batch_plan import LaneCosts, Riding, share, share_side_by_side
 from .budget import Sizer
 from .drafters.base import Drafter
-from .engine import Engine, Interrupted, Stats, accept
+from .engine import Accepted, Engine, Interrupted, Stats, accept
 from .errors import CachebackError
 from .kvcache import KVStack, ModelCache
 from .learning import start_request
-from .sampling import SamplingParams, processed_rows, token_picker, top_tokens
+from .sampling import SamplingParams, accepted_logprobs, processed_rows, token_picker, top_tokens
 from .shared_pass import batch_pass
 from .sharing import sharing
 from .slots import Sequence, choose_sequence, reusable
@@ -89,6 +89,8 @@ class Lane:
     finish_reason: str | None = None  # "stop" (EOS) or "length"
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill, its last one included
     processors: tuple = ()  # its logits processors (SamplingParams.logits_processors)
+    logprobs: bool = False  # its tokens' log-probabilities too (engine.Accepted), and in token_logprobs
+    token_logprobs: list[float] = field(default_factory=list)  # each produced token's own, when logprobs
 
     @property
     def prefilling(self) -> bool:
@@ -233,7 +235,7 @@ class Batch:
         sizer = eng.sizer and eng.sizer.lane()
         max_tokens = min(max_tokens, eng.context_length - len(prompt))
         lane = Lane(i, self.seqs[i], self.drafters[i], token_picker(sampling), max_tokens, sizer, stats,
-                    pending=pending, processors=sampling.logits_processors)
+                    pending=pending, processors=sampling.logits_processors, logprobs=sampling.logprobs)
         self.lanes[i] = lane
         return lane
 
@@ -395,10 +397,10 @@ class Batch:
             self._fed(feeding, chunk, seconds)
         # accept, roll back and update each lane
         out = []
-        for lane, (_, lead, tree, rows), p, top in zip(lanes, passes, picks, tops):
+        for lane, (_, lead, tree, rows), x, p, top in zip(lanes, passes, logits, picks, tops):
             if shared and self.undo_padded:  # the padding ran into a narrower lane's states
                 rows = width
-            produced = self._settle(lane, lead, tree, rows, p.tolist(), None if top is None else top.tolist())
+            produced = self._settle(lane, lead, tree, rows, p.tolist(), None if top is None else top.tolist(), x)
             lane.stats.draft_s += draft_s / len(lanes)
             lane.stats.learn_s += learn_s / len(lanes)
             lane.stats.verify_s += seconds
@@ -413,9 +415,10 @@ class Batch:
         return out
 
     def _settle(self, lane: Lane, lead: list[int], tree: DraftTree, rows: int, picks: list[int],
-                tops: list[list[int]] | None = None) -> list[int]:
+                tops: list[list[int]] | None = None, logits: mx.array | None = None) -> Accepted:
         """A lane after its pass: accept the longest agreed path and its bonus token, keep those
-        rows, tell the drafter; the tokens it produced (EOS and past the limit cut off)."""
+        rows, tell the drafter; the tokens it produced (EOS and past the limit cut off), with their
+        log-probabilities from the lane's `logits` when it asked for them."""
         seq, stats = lane.seq, lane.stats
         path, bonus = accept(tree, picks)
         accepted = [int(tree.tokens[i]) for i in path] + [int(bonus)]
@@ -431,7 +434,13 @@ class Batch:
         stats.passes += 1
         stats.drafted += len(tree)
         eos = next((i for i, t in enumerate(accepted) if t in self.engine.eos_ids), None)
-        produced = accepted[:eos][: lane.max_tokens - len(lane.tokens)]
+        produced = Accepted(accepted[:eos][: lane.max_tokens - len(lane.tokens)])
+        if lane.logprobs and logits is not None:
+            logprobs = accepted_logprobs(logits, path)
+            produced.logprobs = logprobs[: len(produced)]
+            stats.stop_logprobs = logprobs[eos] if eos is not None and len(produced) == eos else None
+            ids = mx.array(produced, dtype=mx.int32)[:, None]
+            lane.token_logprobs += mx.take_along_axis(produced.logprobs, ids, axis=1)[:, 0].tolist() if produced else []
         seq.history.extend(produced)
         lane.drafter.observe(produced)
         lane.drafter.recycle(tree.picked(lead[-1], picks, tops))

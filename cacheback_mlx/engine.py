@@ -39,7 +39,7 @@ from .learning import start_request
 from .planner import CostPlanner, FixedPlanner
 from .positions import prepare_positions
 from .run_ahead import RunAhead
-from .sampling import SamplingParams, processed_rows, token_picker, top_tokens
+from .sampling import SamplingParams, accepted_logprobs, processed_rows, token_picker, top_tokens
 from .slots import SLOT_BYTES, Sequence, Slots
 from .tree import DraftTree, common_prefix, forced_picks
 from .verify import MLX_LM_PREFILL_CHUNK, PREFILL_CHUNK, cpu_prefill_chunk, prefill, step_pass, verify_pass, warm_up
@@ -85,6 +85,15 @@ def default_draft_budget() -> int:
     return 63 if on_gpu() else 7  # GPU: 63 + the root = 64 rows, one shape bucket (GPU_BUCKETS)
 
 
+class Accepted(list):
+    """The tokens one step accepted (a list of ids) and, when the request asked for them
+    (SamplingParams.logprobs), their log-probabilities: `logprobs` [tokens, vocab], each row from
+    the pass row that predicted its token, after the logits processors, as mlx-lm's generate_step
+    gives them (logits - logsumexp(logits)). Computed lazily: nothing runs until they are read."""
+
+    logprobs: mx.array | None = None
+
+
 @dataclass
 class Stats:
     """Counters for one generation."""
@@ -103,6 +112,7 @@ class Stats:
     learn_s: float = 0.0  # the drafter's and planner's learning done while a pass ran (catch_up): not in draft_s
     verify_s: float = 0.0  # time of the forward passes (graph building included), until the picks are read
     stop_token: int | None = None  # the EOS token that ended the generation (None: a token limit)
+    stop_logprobs: mx.array | None = None  # its log-probabilities, when the request asked for them
 
     @property
     def mat(self) -> float:
@@ -443,8 +453,9 @@ class Engine:
 
     def generate(self, prompt: Seq[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
                  context=(), slot: int | None = None, forced: Seq[int] | None = None,
-                 stop=None) -> Iterator[list[int]]:
-        """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens.
+                 stop=None) -> Iterator[Accepted]:
+        """Yield the tokens accepted at each step (EOS excluded) until EOS or max_tokens, with their
+        log-probabilities when `sampling.logprobs` (Accepted; the EOS token's: stats.stop_logprobs).
         `context`: ids beside the prompt the drafter may draft from, one list or several (an
         editor's chunks and the code below the cursor; start_request). `slot`: see _start.
         `forced`: a recorded stream to accept along instead of the model's own picks (at most
@@ -541,7 +552,11 @@ class Engine:
                     stats.drafted += len(tree)
                     # stop at EOS or the token limit
                     eos = next((i for i, t in enumerate(accepted) if t in self.eos_ids), None)
-                    out = accepted[:eos][: max_tokens - stats.tokens]
+                    out = Accepted(accepted[:eos][: max_tokens - stats.tokens])
+                    if sampling.logprobs:  # each token's, from the row that predicted it
+                        logprobs = accepted_logprobs(logits, path)
+                        out.logprobs = logprobs[: len(out)]
+                        stats.stop_logprobs = logprobs[eos] if eos is not None and len(out) == eos else None
                     # update the drafter
                     t0 = time.perf_counter()
                     seq.history.extend(out)

@@ -8,9 +8,10 @@
 Responses have mlx-lm's GenerationResponse fields (text, token, logprobs, from_draft, prompt_tokens,
 prompt_tps, generation_tokens, generation_tps, peak_memory, finish_reason), one per token as in
 mlx-lm (the last one carries finish_reason "stop" with the EOS token, or "length"), plus the
-drafting counters of the generation so far (passes, mat). Differences: `logprobs` is None (the
-engine does not compute a full distribution per token), `from_draft` is True for tokens that
-came from an accepted draft, and sampling is set with temperature / top_p / top_k / seed instead
+drafting counters of the generation so far (passes, mat). `logprobs` is each token's
+log-probabilities over the vocabulary as in mlx-lm, from the pass row that predicted it (the same
+values within a pass's rounding; computed only when read). Differences: `from_draft` is True for
+tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / seed instead
 of a `sampler` callable (sample-and-match needs the distribution itself). `logits_processors`
 (mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
 pass with the tokens before its own position (sampling.processed_rows).
@@ -92,7 +93,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     limit = session.loaded.context_length if max_tokens < 0 else max_tokens
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              logits_processors=kwargs.get("logits_processors") or ())
+                              logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
     detok = tokenizer.detokenizer
     detok.reset()
     eng, n, last = session.engine, 0, None
@@ -104,7 +105,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
             if last is not None:
                 yield last
             stats = eng.stats
-            last = GenerationResponse(detok.last_segment, int(token), None, i < len(step) - 1, len(ids),
+            last = GenerationResponse(detok.last_segment, int(token), step.logprobs[i], i < len(step) - 1, len(ids),
                                       _prompt_tps(stats), n, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
                                       mx.get_peak_memory() / 1e9, None, stats.passes, stats.mat)
     stats = eng.stats
@@ -113,8 +114,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
     if stop is not None:  # mlx-lm ends with the EOS token itself, finish_reason "stop"
         if last is not None:
             yield last
-        last = GenerationResponse(detok.last_segment, stop, None, False, len(ids), _prompt_tps(stats), n + 1,
-                                  n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
+        last = GenerationResponse(detok.last_segment, stop, stats.stop_logprobs, False, len(ids), _prompt_tps(stats),
+                                  n + 1, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
                                   mx.get_peak_memory() / 1e9, "stop", stats.passes, stats.mat)
     elif last is not None:
         last.text += detok.last_segment
@@ -150,11 +151,12 @@ class BatchResponse:
     stats: dict
     caches: None = None
     token_ids: list[list[int]] | None = None
-    logprobs: None = None
+    logprobs: list[list[float]] | None = None  # each token's log-probability, with return_logprobs
 
 
 def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max_tokens: int | Sequence[int] = 128,
-                   verbose: bool = False, return_token_ids: bool = False, drafter: str = DEFAULT_DRAFTER,
+                   verbose: bool = False, return_token_ids: bool = False, return_logprobs: bool = False,
+                   drafter: str = DEFAULT_DRAFTER,
                    draft_budget: int | None = None, lanes: int | None = None, **kwargs) -> BatchResponse:
     """mlx_lm.batch_generate over this engine: every prompt (token ids, or text) runs in one
     batch, several sequences to a pass, each with its own drafts (batch.py). Sampling as in
@@ -169,7 +171,8 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
         raise CachebackError(f"batch_generate: unknown arguments {sorted(unknown)}")
     batch = session.batch(lanes or min(len(ids), 8))
     t0 = time.perf_counter()
-    done = batch.run([dict(prompt=p, max_tokens=n, sampling=SamplingParams(**kwargs)) for p, n in zip(ids, limits)])
+    sampling = SamplingParams(**kwargs, logprobs=return_logprobs)
+    done = batch.run([dict(prompt=p, max_tokens=n, sampling=sampling) for p, n in zip(ids, limits)])
     seconds = time.perf_counter() - t0
     tokens = sum(len(lane.tokens) for lane in done)
     stats = {"prompt_tokens": sum(len(p) for p in ids), "generation_tokens": tokens, "wall_time": seconds,
@@ -178,5 +181,6 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
         print(f"[batch_generate] {len(ids)} prompts, {tokens} tokens in {seconds:.2f} s "
               f"({stats['generation_tps']:.1f} tokens-per-sec, {batch.passes} passes)")
     return BatchResponse([session.text_of(lane.tokens) for lane in done], stats,
-                         token_ids=[lane.tokens for lane in done] if return_token_ids else None)
+                         token_ids=[lane.tokens for lane in done] if return_token_ids else None,
+                         logprobs=[lane.token_logprobs for lane in done] if return_logprobs else None)
 

@@ -37,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logits_processors: tuple = ()  # mlx-lm's: (tokens, logits [1, vocab]) -> logits, applied in order
+    logprobs: bool = False  # each token's log-probabilities too (engine.Accepted)
 
     def __post_init__(self):
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
@@ -98,6 +99,17 @@ def processed_rows(processors: Sequence[Callable], logits: mx.array, history: Se
             row = process(ids, row)
         rows.append(row)
     return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+
+
+def accepted_logprobs(logits: mx.array, path: Sequence[int]) -> mx.array:
+    """The log-probabilities of a pass's accepted tokens ([1 + len(path), vocab]): each from the row
+    that predicted it (the root's for the first, then the row of each node on the accepted path),
+    as mlx-lm's generate_step computes them (logits - logsumexp(logits)). The rows are copied out at
+    once (so they do not keep the pass's other rows alive); the rest runs only when read (a
+    logsumexp over the vocabulary costs ~0.7 ms a row on a CPU)."""
+    chosen = logits[mx.array([0] + [1 + i for i in path])]
+    mx.async_eval(chosen)
+    return chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
 
 
 def token_picker(params: SamplingParams) -> Callable[..., mx.array]:

@@ -3,6 +3,7 @@
 from cacheback_mlx import lm
 from cacheback_mlx.errors import CachebackError
 
+import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate as mlx_stream
 
@@ -13,6 +14,15 @@ FIELDS = ("text", "token", "prompt_tokens", "generation_tokens", "finish_reason"
 
 def responses(gen):
     return [{f: getattr(r, f) for f in FIELDS} for r in gen]
+
+
+def same_logprobs(ours, theirs) -> bool:
+    """Each token's log-probabilities as mlx-lm's, within a pass's rounding (their passes and ours
+    round differently by ~1e-5 relative here, where a row taken from a wrong position is off by
+    whole units)."""
+    return len(ours) == len(theirs) and all(
+        a.logprobs.shape == b.logprobs.shape and mx.allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-3).item()
+        for a, b in zip(ours, theirs))
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +39,8 @@ def test_stream_generate_yields_what_mlx_lm_yields(tiny, drafter):
     ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, drafter=drafter))
     theirs = list(mlx_stream(model, tokenizer, prompt, max_tokens=24))
     assert responses(ours) == responses(theirs)
+    assert same_logprobs(ours, theirs) and all(mx.argmax(r.logprobs).item() == r.token for r in ours)
+    assert drafter != "pld" or any(r.from_draft for r in ours)  # rows of accepted drafts among them
     assert ours[-1].passes <= len(ours)
     short = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=3, drafter=drafter))
     assert responses(short) == responses(mlx_stream(model, tokenizer, prompt, max_tokens=3))
@@ -52,6 +64,9 @@ def test_logits_processors_apply_as_in_mlx_lm(tiny, drafter):
     ours = responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, drafter=drafter,
                                         logits_processors=processors))
     assert ours == theirs
+    assert same_logprobs(list(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, drafter=drafter,
+                                                 logits_processors=processors)),
+                         list(mlx_stream(model, tokenizer, prompt, max_tokens=24, logits_processors=processors)))
     assert [r["token"] for r in ours].count(z) == 1  # the bias brought z in, the penalty kept it out since
     assert ours != responses(mlx_stream(model, tokenizer, prompt, max_tokens=24))
 
@@ -64,13 +79,14 @@ def test_a_stop_token_ends_like_mlx_lm(tiny):
     tokenizer._eos_token_ids.add(eos)
     try:
         lm._sessions.clear()  # a session keeps the EOS ids it was made with
-        theirs = responses(mlx_stream(model, tokenizer, prompt, max_tokens=12))
-        ours = responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=12))
+        theirs = list(mlx_stream(model, tokenizer, prompt, max_tokens=12))
+        ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=12))
     finally:
         tokenizer._eos_token_ids.discard(eos)
         lm._sessions.clear()
-    assert theirs[-1]["finish_reason"] == "stop" and theirs[-1]["token"] == eos
-    assert ours == theirs
+    assert theirs[-1].finish_reason == "stop" and theirs[-1].token == eos
+    assert responses(ours) == responses(theirs)
+    assert same_logprobs(ours, theirs)  # the stop token's too
 
 
 def test_unsupported_arguments_get_a_clear_error(tiny):
@@ -91,6 +107,12 @@ def test_batch_generate_gives_each_prompt_what_mlx_lm_gives_it_alone(tiny):
     assert r.texts == want and all(len(t) <= n for t, n in zip(r.token_ids, [16, 8, 12]))
     assert r.stats["generation_tokens"] == sum(len(t) for t in r.token_ids)
     assert lm.batch_generate(model, tokenizer, prompts, max_tokens=[16, 8, 12]).texts == want  # text prompts
+    r = lm.batch_generate(model, tokenizer, ids, max_tokens=[16, 8, 12], return_token_ids=True, return_logprobs=True,
+                          drafter="pld")
+    for p, n, got in zip(prompts, [16, 8, 12], r.logprobs):  # each token's own but a stop token's, as mlx-lm's
+        theirs = [x.logprobs[x.token].item() for x in mlx_stream(model, tokenizer, p, max_tokens=n)
+                  if x.finish_reason != "stop"]
+        assert len(got) == len(theirs) and max(abs(a - b) for a, b in zip(got, theirs)) < 1e-3
     with pytest.raises(CachebackError, match="limits for"):
         lm.batch_generate(model, tokenizer, ids, max_tokens=[4, 4])
     with pytest.raises(CachebackError, match="unknown arguments"):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi import Request
 
 from ..engine import Interrupted, Stats
+from .logprobs import token_entries
 
 if TYPE_CHECKING:
     from .core import Generator, Job
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Entry:
-    """A job handed to the batch loop, and the queue its coroutine reads: (tokens, lane) per
-    pass, an exception, or None at the end."""
+    """A job handed to the batch loop, and the queue its coroutine reads: (tokens, lane, their
+    log-probability entries or None) per pass, an exception, or None at the end."""
 
     job: "Job"
     offset: int
@@ -86,10 +87,10 @@ class BatchRunner:
                     if gen.stopping.is_set() or await request.is_disconnected():
                         entry.cancel = entry.gone = True
                         return
-                tokens, lane = item
+                tokens, lane, entries = item
                 for t in tokens:
                     detok.add_token(t)
-                new, ended = out.add(detok.last_segment, lane.stats.decode_s)
+                new, ended = out.add(detok.last_segment, lane.stats.decode_s, entries)
                 if ended:
                     break
                 if new:
@@ -154,7 +155,9 @@ class BatchRunner:
                         continue
                     e = running[lane.index]
                     lane.stats.decode_s = lane.stats.verify_s + lane.stats.draft_s
-                    e.send((produced, lane))
+                    top = e.job.sampling.alternatives()  # (MLX arrays are read on this thread)
+                    e.send((produced, lane, token_entries(gen.session.tokenizer, produced, top) if top is not None
+                            else None))
                     if lane.done:
                         e.stats = lane.stats
                         running.pop(lane.index)

@@ -34,6 +34,7 @@ from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
 from ..sampling import SamplingParams, penalties
 from .batching import BatchRunner
+from .logprobs import TOP_MAX, TokenLog, token_entries
 
 # The most tokens a request may ask for (a 32-bit int, as clients send): any limit is taken and the
 # reply stops where the context ends, as llama.cpp's, Ollama's and mlx-lm's servers do; clients ask
@@ -86,12 +87,33 @@ class Sampling(Lenient):
     repeat_last_n: int | None = Field(None, ge=-1, le=1 << 20)  # tokens looked back over (-1: all, 0: none)
     repetition_context_size: int | None = Field(None, ge=0, le=1 << 20)  # mlx-lm's name
     logit_bias: dict[int, float] | None = None  # token id -> bias (_biases: as clients send them)
+    # log-probabilities (logprobs.py): OpenAI's chat and Ollama's `logprobs: true` with `top_logprobs`
+    # alternatives; OpenAI's completions' `logprobs: N` (N alternatives); llama.cpp's `n_probs: N`
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_MAX)
+    n_probs: int = Field(0, ge=0, le=TOP_MAX)
     WINDOW: ClassVar[int] = 64  # llama.cpp's and Ollama's repeat_last_n by default
 
     def params(self, offset: int = 0) -> SamplingParams:
         seed = None if self.seed is None or self.seed < 0 else (self.seed + offset) % (1 << 64)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=seed, logits_processors=self.processors())
+                              min_p=self.min_p, seed=seed, logits_processors=self.processors(),
+                              logprobs=self.alternatives() is not None)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if not isinstance(value, bool) and isinstance(value, int) and not 0 <= value <= TOP_MAX:
+            raise ValueError(f"give true/false, or how many alternatives per token (0 to {TOP_MAX})")
+        return value
+
+    def alternatives(self) -> int | None:
+        """How many of the likeliest tokens each token's entry lists; None: no log-probabilities."""
+        if self.n_probs:
+            return self.n_probs
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        return (self.top_logprobs or 0) if self.logprobs is True else self.logprobs
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -201,6 +223,7 @@ class Job:
     timings: dict = field(default_factory=dict)
     truncated: bool = False
     slot: int = 0  # the engine slot it ran in (slots.py), reported as llama.cpp's id_slot
+    log: TokenLog | None = None  # its tokens' log-probabilities, when asked for (TextOut makes it)
 
     @property
     def finish_reason(self) -> str:
@@ -219,11 +242,15 @@ class TextOut:
         self.sent = 0
         self.first_s = None  # decode time when the first piece came (t_max_predict_ms counts from there)
         job.stop_type = "eos"
+        self.log = job.log = TokenLog() if job.sampling.alternatives() is not None else None
 
-    def add(self, piece: str, decode_s: float) -> tuple[str, bool]:
-        """After one more piece: the text newly safe to send ("" when held back), and whether the
-        job ends here (a stop string, a rule, the time limit)."""
+    def add(self, piece: str, decode_s: float, entries: list[dict] | None = None) -> tuple[str, bool]:
+        """After one more piece (and its tokens' log-probability entries, when asked for): the
+        text newly safe to send ("" when held back), and whether the job ends here (a stop string,
+        a rule, the time limit)."""
         job = self.job
+        if self.log is not None:
+            self.log.add(entries or [], len(self.raw), len(piece))
         self.raw += piece
         text = job.rules.visible(self.raw) if job.rules is not None else self.raw
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
@@ -245,6 +272,8 @@ class TextOut:
             safe = min(safe, text.rfind("\n") + 1)
         new = text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
+        if self.log is not None:
+            self.log.show(self.sent)
         return new, False
 
     def finish(self, ended: bool, tokens: int) -> str:
@@ -254,6 +283,8 @@ class TextOut:
         if not ended and tokens >= job.max_tokens:
             job.stop_type, job.hit_max = "limit", True
         job.text = self.text
+        if self.log is not None:
+            self.log.show(len(self.text))
         return self.text[self.sent :]
 
 
@@ -337,8 +368,10 @@ class Generator:
         pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context, stop=stop)
         ended = False
         try:
-            for piece, _ in pieces:
-                new, ended = out.add(piece, self.session.stats.decode_s)
+            top = job.sampling.alternatives()
+            for piece, tokens in pieces:
+                entries = token_entries(self.session.tokenizer, tokens, top) if top is not None else None
+                new, ended = out.add(piece, self.session.stats.decode_s, entries)
                 if ended:
                     break
                 yield new  # "" too: callers check for a disconnect
@@ -437,6 +470,7 @@ class Generator:
         for i, run in enumerate(runs):
             if i and job.sampling.temperature == 0:
                 run.text, run.stop_type, run.hit_max, run.timings = job.text, job.stop_type, job.hit_max, job.timings
+                run.log = job.log
                 continue
             async with aclosing(self.pieces(request, run, offset=i)) as pieces:
                 async for _ in pieces:

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from ..fim import CompletionRules
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text, error
+from .logprobs import llama_cpp
 
 
 class Chunk(Lenient):
@@ -78,14 +79,18 @@ def router(ctx: Context) -> APIRouter:
                "stop_type": job.stop_type, "has_new_line": "\n" in job.text, "timings": t}
         if fim is not None:
             out["fim"] = fim
+        if job.log is not None:
+            out["completion_probabilities"] = llama_cpp(job.log.shown)
         return out
 
     async def answer(request: Request, req: LlamaParams, job: Job, fim: bool | None = None):
         if req.stream and job.max_tokens:
             def event(piece: str, done: bool) -> dict:
                 if done:
-                    return result(job, fim=fim) | {"content": ""}
-                return {"index": 0, "content": piece, "stop": False, "id_slot": job.slot}
+                    out = result(job, fim=fim) | {"content": ""}
+                    return out | ({"completion_probabilities": llama_cpp(job.log.take())} if job.log else {})
+                out = {"index": 0, "content": piece, "stop": False, "id_slot": job.slot}
+                return out | ({"completion_probabilities": llama_cpp(job.log.take())} if job.log else {})
 
             return StreamingResponse(gen.stream(request, job, event, done_marker=False), media_type="text/event-stream")
         runs = await gen.complete(request, job, req.n_cmpl)

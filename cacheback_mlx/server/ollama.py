@@ -43,6 +43,7 @@ from pydantic import Field, model_validator
 
 from ..errors import CachebackError
 from .core import Context, Job, Lenient, Sampling, encode_text
+from .logprobs import TOP_MAX, ollama
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, ollama_calls, template_messages
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
@@ -64,6 +65,14 @@ class OllamaRequest(Lenient):
     options: Options = Options()
     keep_alive: int | float | str | None = None
     images: list[str] | None = None
+    logprobs: bool = False  # Ollama has these two beside `options`
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_MAX)
+
+    def sampling(self) -> Options:
+        """The options, with the request's log-probability fields."""
+        if not self.logprobs:
+            return self.options
+        return self.options.model_copy(update={"logprobs": True, "top_logprobs": self.top_logprobs})
 
     def limit(self, ctx: Context) -> int:
         n = self.options.num_predict
@@ -193,9 +202,11 @@ def router(ctx: Context) -> APIRouter:
                 piece, calls = split.feed(piece, final=done)
             return {"role": "assistant", "content": piece} | ({"tool_calls": ollama_calls(calls)} if calls else {})
 
-        def line(piece: str, done: bool) -> dict:
+        def line(piece: str, done: bool, entries: list[dict] | None = None) -> dict:
             body = {"message": message(piece, done)} if chat else {"response": piece}
             out = {"model": model, "created_at": now()} | body
+            if job.log is not None:
+                out["logprobs"] = ollama(job.log.take() if entries is None else entries)
             return out | final(job, started, fim) if done else out | {"done": False}
 
         if req.stream:
@@ -203,7 +214,8 @@ def router(ctx: Context) -> APIRouter:
         runs = await ctx.gen.complete(request, job)
         if not runs:  # the client went away
             return JSONResponse({})
-        return JSONResponse(line(job.text if chat else "", True) | ({} if chat else {"response": job.text}))
+        return JSONResponse(line(job.text if chat else "", True, job.log.shown if job.log else None)
+                            | ({} if chat else {"response": job.text}))
 
     def loaded_only(req: OllamaRequest, chat: bool) -> JSONResponse:
         """An empty prompt: Ollama's answer to a load (or, with keep_alive 0, unload) request."""
@@ -222,7 +234,7 @@ def router(ctx: Context) -> APIRouter:
         fim = None
         try:
             if req.suffix is not None and (req.prompt or req.suffix):
-                job, fim = ctx.infill_job(req.options, req.prompt, req.suffix, [], "", req.limit(ctx))
+                job, fim = ctx.infill_job(req.sampling(), req.prompt, req.suffix, [], "", req.limit(ctx))
             elif not req.prompt:
                 return loaded_only(req, chat=False)
             else:
@@ -232,7 +244,7 @@ def router(ctx: Context) -> APIRouter:
                     ids = encode_text(session, "", chat=True, messages=messages)
                 else:
                     ids = encode_text(session, req.prompt)
-                job = Job(ids, req.limit(ctx), req.options)
+                job = Job(ids, req.limit(ctx), req.sampling())
                 ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:
             return oerror(400, str(e))
@@ -249,7 +261,7 @@ def router(ctx: Context) -> APIRouter:
         try:
             ToolCalls.of(session.tokenizer, req.offered())
             ids = encode_text(session, "", chat=True, messages=messages, tools=req.offered())
-            job = Job(ids, req.limit(ctx), req.options)
+            job = Job(ids, req.limit(ctx), req.sampling())
             ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:
             return oerror(400, str(e))

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
+from .logprobs import openai_chat, openai_text
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, check_choice, openai_calls, template_messages
 
 
@@ -99,11 +100,24 @@ def router(ctx: Context) -> APIRouter:
         rid, created = f"{'chatcmpl' if kind != 'text' else 'cmpl'}-{uuid.uuid4().hex[:12]}", int(time.time())
         head = {"id": rid, "created": created, "model": ctx.model_id}
         streamed = ToolCalls.of(session.tokenizer, tools)  # the stream's calls, split as its text comes
+        offset = [0]  # where a stream's next text starts (the completions route's text_offset)
+
+        def logprobs(run: Job, stream: bool, text: str) -> dict | None:
+            """The choice's log-probabilities (None when not asked for): a stream's chunk has its own."""
+            if run.log is None:
+                return None
+            entries = run.log.take() if stream else run.log.shown
+            if kind != "text":
+                return openai_chat(entries)
+            out = openai_text(entries, offset[0])
+            offset[0] += len(text) if stream else 0
+            return out
 
         def choice(text: str, index: int, done: bool, run: Job, stream: bool) -> dict:
             reason = run.finish_reason if done else None
             if kind == "text":
-                return {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+                return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs(run, stream, text)}
+            lp = {"logprobs": logprobs(run, stream, text)} if run.log is not None else {}
             split = streamed if stream else ToolCalls.of(session.tokenizer, tools)
             calls = []
             if split is not None:
@@ -113,10 +127,10 @@ def router(ctx: Context) -> APIRouter:
             if stream:
                 delta = ({"content": text} if text else {}) | (
                     {"tool_calls": openai_calls(calls, split.made - len(calls), stream=True)} if calls else {})
-                return {"index": index, "delta": delta, "finish_reason": reason}
+                return {"index": index, "delta": delta, "finish_reason": reason} | lp
             message = {"role": "assistant", "content": (text or None) if calls else text}
             return {"index": index, "message": message | ({"tool_calls": openai_calls(calls)} if calls else {}),
-                    "finish_reason": reason}
+                    "finish_reason": reason} | lp
 
         obj = "text_completion" if kind == "text" else "chat.completion"
         if req.stream and job.max_tokens:

@@ -1,0 +1,138 @@
+"""Log-probabilities: each token's as mlx-lm's generate_step gives them, through the engine (rows of
+accepted drafts included), the batch's lanes, and every protocol's names (server/logprobs.py)."""
+
+import json
+
+from cacheback_mlx.api import Session
+from cacheback_mlx.drafters.base import Drafter
+from cacheback_mlx.engine import Engine
+from cacheback_mlx.sampling import SamplingParams
+from cacheback_mlx.tree import DraftTree
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from test_server import start
+
+pytestmark = pytest.mark.serial  # starts servers
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+PROMPT = "The capital of France is"
+
+
+class Oracle(Drafter):
+    """Drafts the true continuation, 4 tokens a pass, so most tokens come from accepted drafts."""
+
+    def __init__(self, prompt, truth):
+        self.prompt, self.truth = list(prompt), list(truth)
+
+    def propose(self, history, budget, max_branching=None):
+        done = len(history) - len(self.prompt)
+        chain = self.truth[done: done + min(budget, 4)]
+        return DraftTree(chain, list(range(-1, len(chain) - 1)))
+
+
+def reference(model, ids, n):
+    """mlx-lm's tokens and log-probabilities, plain greedy decoding."""
+    out = [(int(t), lp) for t, lp in generate_step(mx.array(ids), model, max_tokens=n)]
+    return [t for t, _ in out], [lp for _, lp in out]
+
+
+def close(a, b) -> bool:
+    return mx.allclose(a, b, rtol=1e-4, atol=1e-3).item()
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    """The same tokens with the same log-probabilities, as far as two runs' rounding goes (a prompt
+    run again is read from the cache, in passes of other shapes)."""
+    return [e["token"] for e in a] == [e["token"] for e in b] and all(
+        abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a, b))
+
+
+def test_engine_logprobs_come_from_the_row_that_predicted_each_token(default_model):
+    ids = list(default_model.tokenizer.encode("def add(a, b):\n    return"))
+    truth, theirs = reference(default_model.model, ids, 24)
+    eng = Engine(default_model.model, [], Oracle(ids, truth), default_model.context_length, draft_budget=8)
+    steps = list(eng.generate(ids, 24, SamplingParams(logprobs=True)))
+    assert [t for s in steps for t in s] == truth[: len([t for s in steps for t in s])]
+    assert any(len(s) > 1 for s in steps)  # tokens from accepted drafts: rows past the root's
+    ours = [lp for s in steps for lp in s.logprobs]
+    assert len(ours) == sum(len(s) for s in steps) and all(close(a, b) for a, b in zip(ours, theirs))
+    assert all(s.logprobs is None for s in eng.generate(ids, 4))  # only when asked for
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
+def server(request):
+    session = Session(None, "auto")
+    srv, thread, url = start(session, parallel=request.param)
+    yield session, url
+    srv.should_exit = True
+    thread.join(5)
+
+
+def events(r) -> list[dict]:
+    return [json.loads(x[5:]) for x in r.text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
+
+
+def test_openai_chat_logprobs_are_mlx_lm_s_and_spell_the_answer(server):
+    session, url = server
+    body = {"messages": CHAT, "max_tokens": 16, "logprobs": True, "top_logprobs": 3}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    choice, n = r["choices"][0], r["usage"]["completion_tokens"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == n and "".join(e["token"] for e in content) == choice["message"]["content"]
+    _, theirs = reference(session.loaded.model, session.encode(CHAT, chat=True), n)
+    ids = [int(mx.argmax(lp).item()) for lp in theirs]
+    for e, lp, token in zip(content, theirs, ids):
+        assert abs(e["logprob"] - lp[token].item()) < 1e-3
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["token"] == e["token"]  # greedy: the chosen token is the likeliest
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert bytes(e["bytes"]).decode() == e["token"]
+    streamed = events(httpx.post(f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=120))
+    chunks = [(c["delta"].get("content", ""), c["logprobs"]["content"])
+              for ev in streamed for c in ev.get("choices", [])]
+    assert same([e for _, es in chunks for e in es], content)
+    assert all("".join(e["token"] for e in es) == text for text, es in chunks)  # each chunk's tokens, its text
+    plain = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=120).json()
+    assert "logprobs" not in plain["choices"][0]
+
+
+def test_logprobs_by_the_completions_llama_cpp_and_ollama_names(server):
+    session, url = server
+    _, theirs = reference(session.loaded.model, session.encode(PROMPT, chat=False), 8)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "logprobs": 2}, timeout=120).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 8 and all(len(t) == 2 for t in lp["top_logprobs"])
+    assert all(abs(a - b[int(mx.argmax(b).item())].item()) < 1e-3 for a, b in zip(lp["token_logprobs"], theirs))
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
+
+    r = httpx.post(f"{url}/completion", json={"prompt": PROMPT, "n_predict": 8, "n_probs": 2}, timeout=120).json()
+    probs = r["completion_probabilities"]
+    assert [e["token"] for e in probs] == lp["tokens"] and all(len(e["top_logprobs"]) == 2 for e in probs)
+    assert all(isinstance(e["id"], int) for e in probs)
+    streamed = events(httpx.post(f"{url}/completion", json={"prompt": PROMPT, "n_predict": 8, "n_probs": 2,
+                                                            "stream": True}, timeout=120))
+    assert same([e for ev in streamed for e in ev.get("completion_probabilities", [])], probs)
+    k = next(i for i in range(2, 8) if lp["tokens"][i].strip() and lp["tokens"][i] not in "".join(lp["tokens"][:i]))
+    cut = httpx.post(f"{url}/completion", json={"prompt": PROMPT, "n_predict": 8, "n_probs": 1,
+                                                "stop": [lp["tokens"][k]]}, timeout=120).json()
+    assert [e["token"] for e in cut["completion_probabilities"]] == lp["tokens"][:k]  # none past the stop string
+
+    r = httpx.post(f"{url}/api/generate", json={"prompt": PROMPT, "raw": True, "stream": False, "logprobs": True,
+                                                "top_logprobs": 1, "options": {"num_predict": 8}}, timeout=120).json()
+    assert [e["token"] for e in r["logprobs"]] == lp["tokens"]
+    assert all(len(e["top_logprobs"]) == 1 for e in r["logprobs"])
+    lines = [json.loads(x) for x in httpx.post(f"{url}/api/generate", json={
+        "prompt": PROMPT, "raw": True, "logprobs": True, "options": {"num_predict": 8}}, timeout=120).text.splitlines()]
+    assert [e["token"] for x in lines for e in x.get("logprobs", [])] == lp["tokens"]
+
+
+def test_bad_logprob_requests_are_4xx(server):
+    _, url = server
+    for body in ({"logprobs": 21}, {"logprobs": -1}, {"logprobs": True, "top_logprobs": 99}, {"n_probs": -2},
+                 {"logprobs": [1]}):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2} | body, timeout=60)
+        assert 400 <= r.status_code < 500, (body, r.text)
