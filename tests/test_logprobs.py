@@ -11,9 +11,11 @@ from cacheback_mlx.tree import DraftTree
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+import zoo
 from test_server import start
 
 pytestmark = pytest.mark.serial  # starts servers
@@ -61,6 +63,36 @@ def test_engine_logprobs_come_from_the_row_that_predicted_each_token(default_mod
     ours = [lp for s in steps for lp in s.logprobs]
     assert len(ours) == sum(len(s) for s in steps) and all(close(a, b) for a, b in zip(ours, theirs))
     assert all(s.logprobs is None for s in eng.generate(ids, 4))  # only when asked for
+
+
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+def test_logprobs_equal_mlx_lm_s_on_every_family_with_any_drafts(family):
+    """Sliding windows, shared KV, MoE, hybrids and Mamba (whose partly accepted passes are undone
+    and fed again): each token's log-probabilities are mlx-lm's at its position, from a batch's
+    lanes too."""
+    from cacheback_mlx.batch import Batch
+    from cacheback_mlx.drafters.base import NoDrafter
+
+    from adversarial import OracleDrafter, RandomTreeDrafter
+
+    model = zoo.tiny_model(family)
+    prompt = [5, 9, 5, 9, 17, 23, 17, 23, 40, 41]
+    truth, theirs = reference(model, prompt, 16)
+    chain = OracleDrafter(prompt, truth)
+    for drafter in (NoDrafter(), chain, OracleDrafter(prompt, truth, extra_wrong_branches=1),
+                    RandomTreeDrafter(prompt, truth, seed=3, vocab=zoo.VOCAB)):
+        eng = Engine(model, eos_ids=[], drafter=drafter, context_length=4096, draft_budget=8)
+        steps = list(eng.generate(prompt, 16, SamplingParams(logprobs=True)))
+        assert [t for s in steps for t in s] == truth, family
+        ours = [lp for s in steps for lp in s.logprobs]
+        assert all(close(a, b) for a, b in zip(ours, theirs)) and len(ours) == 16, (family, type(drafter).__name__)
+        assert drafter is not chain or any(len(s) > 1 for s in steps)  # rows of accepted drafts among them
+    eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096, draft_budget=8)
+    batch = Batch(eng, 2, lambda: OracleDrafter(prompt, truth))
+    lanes = batch.run([dict(prompt=prompt, max_tokens=16, sampling=SamplingParams(logprobs=True))] * 2)
+    for lane in lanes:
+        assert lane.tokens == truth
+        assert np.allclose(lane.token_logprobs, [lp[t].item() for lp, t in zip(theirs, truth)], rtol=1e-4, atol=1e-3)
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
