@@ -169,10 +169,11 @@ class Session:
         self.engine.reset()
 
     def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None,
-               tools: Sequence[dict] | None = None) -> list[int]:
+               tools: Sequence[dict] | None = None, template_args: dict | None = None) -> list[int]:
         """Token ids for a prompt: text (through the chat template when chat, the default for
         models that have one) or a list of chat messages; `tools` (OpenAI's function schemas) go
-        to the template for models whose template has tool calls (tool_calls.py)."""
+        to the template for models whose template has tool calls (tool_calls.py), and
+        `template_args` are its other variables (e.g. enable_thinking)."""
         if isinstance(prompt, str) and not prompt.strip():
             raise CachebackError("empty prompt")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -187,7 +188,7 @@ class Session:
             messages = [{"role": "system", "content": system}] + messages
         if not messages:
             raise CachebackError("empty prompt")
-        extra = {"tools": list(tools)} if tools else {}
+        extra = dict(template_args or {}) | ({"tools": list(tools)} if tools else {})
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except (TemplateError, TypeError, ValueError) as e:  # its own checks (roles out of order), or

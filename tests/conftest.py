@@ -74,12 +74,13 @@ def byte_level_symbols() -> list[str]:
 
 def write_tiny_gguf(path, arch: str = "llama", context: int = 64, dtype=None, seed: int = 0,
                     hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, fim: bool = False,
-                    chat_template: str | None = None):
-    """A tiny llama GGUF (random weights, byte-level tokenizer with no merges) for loader tests.
-    Returns the mlx-lm model holding the same weights."""
+                    chat_template: str | None = None, specials: tuple[str, ...] = ()):
+    """A tiny llama GGUF (random weights, byte-level tokenizer with no merges) for loader tests,
+    with `specials` as special tokens beside its own. Returns the mlx-lm model holding the same
+    weights."""
     dtype = dtype or mx.float32
     symbols = byte_level_symbols()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials]
     if fim:
         specials += ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"]
     tokens = specials + symbols

@@ -501,12 +501,14 @@ class Generator:
             yield "data: [DONE]\n\n"
 
 
-def encode_text(session: Session, text: str, chat: bool = False, messages=None, tools=None) -> list[int]:
-    """Token ids of a plain prompt (or chat messages, and the tools offered, through the template);
-    empty is an error."""
+def encode_text(session: Session, text: str, chat: bool = False, messages=None, tools=None,
+                template_args: dict | None = None) -> list[int]:
+    """Token ids of a plain prompt (or chat messages, the tools offered and the template's other
+    variables, through the template); empty is an error."""
     if not (text or messages):
         raise CachebackError("empty prompt")
-    return session.encode(messages if messages is not None else text, chat=chat, tools=tools)
+    return session.encode(messages if messages is not None else text, chat=chat, tools=tools,
+                          template_args=template_args)
 
 
 @dataclass

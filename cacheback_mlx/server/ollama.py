@@ -22,7 +22,9 @@ in model_info["tokenizer.chat_template"], where GGUF files keep it. Errors are O
 
 /api/chat takes `tools` as Ollama does (OpenAI's function schemas) and answers the model's calls in
 `message.tool_calls` (arguments as objects); messages may carry the assistant's calls and "tool"
-messages with their results (tool_calls.py).
+messages with their results (tool_calls.py). A thinking model's reasoning comes back apart, in
+`message.thinking` (/api/generate: `thinking`); `think: false` asks the template for none
+(enable_thinking), `think: true` for it (reasoning.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pydantic import Field, model_validator
 from ..errors import CachebackError
 from .core import Context, Job, Lenient, Sampling, encode_text
 from .logprobs import TOP_MAX, ollama
+from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, ollama_calls, template_messages
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow
@@ -67,6 +70,10 @@ class OllamaRequest(Lenient):
     images: list[str] | None = None
     logprobs: bool = False  # Ollama has these two beside `options`
     top_logprobs: int | None = Field(None, ge=0, le=TOP_MAX)
+    think: bool | None = None  # a thinking model: think first (the template's enable_thinking)
+
+    def template_args(self) -> dict | None:
+        return None if self.think is None else {"enable_thinking": self.think}
 
     def sampling(self) -> Options:
         """The options, with the request's log-probability fields."""
@@ -192,9 +199,11 @@ def router(ctx: Context) -> APIRouter:
                     yield data + "\n"
 
     async def answer(request: Request, req: OllamaRequest, job: Job, started: int, chat: bool, fim: bool | None = None,
-                     tools: list[dict] | None = None):
+                     tools: list[dict] | None = None, thinks: bool = False):
+        """`thinks`: a generate request through the chat template, whose reasoning comes apart too."""
         model = req.model or tag()
         split = ToolCalls.of(session.tokenizer, tools)
+        mind = Reasoning.of(session.tokenizer, job.ids) if chat or thinks else None
 
         def message(piece: str, done: bool) -> dict:
             calls = []
@@ -203,7 +212,11 @@ def router(ctx: Context) -> APIRouter:
             return {"role": "assistant", "content": piece} | ({"tool_calls": ollama_calls(calls)} if calls else {})
 
         def line(piece: str, done: bool, entries: list[dict] | None = None) -> dict:
-            body = {"message": message(piece, done)} if chat else {"response": piece}
+            thought = ""
+            if mind is not None:
+                thought, piece = mind.feed(piece, final=done)
+            body = {"message": message(piece, done) | ({"thinking": thought} if thought else {})} if chat else \
+                {"response": piece} | ({"thinking": thought} if thought else {})
             out = {"model": model, "created_at": now()} | body
             if job.log is not None:
                 out["logprobs"] = ollama(job.log.take() if entries is None else entries)
@@ -214,8 +227,7 @@ def router(ctx: Context) -> APIRouter:
         runs = await ctx.gen.complete(request, job)
         if not runs:  # the client went away
             return JSONResponse({})
-        return JSONResponse(line(job.text if chat else "", True, job.log.shown if job.log else None)
-                            | ({} if chat else {"response": job.text}))
+        return JSONResponse(line(job.text, True, job.log.shown if job.log else None))
 
     def loaded_only(req: OllamaRequest, chat: bool) -> JSONResponse:
         """An empty prompt: Ollama's answer to a load (or, with keep_alive 0, unload) request."""
@@ -231,24 +243,25 @@ def router(ctx: Context) -> APIRouter:
             return oerror(400, f"{ctx.model_id} does not accept images")
         if req.raw and (req.template or req.system or req.context):
             return oerror(400, "raw mode does not support template, system, or context")
-        fim = None
+        fim, templated = None, False
         try:
             if req.suffix is not None and (req.prompt or req.suffix):
                 job, fim = ctx.infill_job(req.sampling(), req.prompt, req.suffix, [], "", req.limit(ctx))
             elif not req.prompt:
                 return loaded_only(req, chat=False)
             else:
-                if not req.raw and getattr(session.tokenizer, "chat_template", None):
+                templated = not req.raw and bool(getattr(session.tokenizer, "chat_template", None))
+                if templated:
                     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                                [{"role": "user", "content": req.prompt}]
-                    ids = encode_text(session, "", chat=True, messages=messages)
+                    ids = encode_text(session, "", chat=True, messages=messages, template_args=req.template_args())
                 else:
                     ids = encode_text(session, req.prompt)
                 job = Job(ids, req.limit(ctx), req.sampling())
                 ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:
             return oerror(400, str(e))
-        return await answer(request, req, job, started, chat=False, fim=fim)
+        return await answer(request, req, job, started, chat=False, fim=fim, thinks=templated)
 
     @api.post("/api/chat")
     async def chat(req: ChatRequest, request: Request):
@@ -260,7 +273,8 @@ def router(ctx: Context) -> APIRouter:
         messages = template_messages([m.plain() for m in req.messages])
         try:
             ToolCalls.of(session.tokenizer, req.offered())
-            ids = encode_text(session, "", chat=True, messages=messages, tools=req.offered())
+            ids = encode_text(session, "", chat=True, messages=messages, tools=req.offered(),
+                              template_args=req.template_args())
             job = Job(ids, req.limit(ctx), req.sampling())
             ctx.gen.check(job)
         except (CachebackError, TemplateError) as e:

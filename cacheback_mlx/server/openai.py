@@ -9,7 +9,9 @@ after it, with no choices, as OpenAI's protocol says.
 
 Chat requests may offer `tools` (with `tool_choice` "auto" or "none"); the model's calls come back
 as `tool_calls` with finish_reason "tool_calls", and the conversation may carry the assistant's
-calls and "tool" messages with their results (tool_calls.py).
+calls and "tool" messages with their results (tool_calls.py). A thinking model's reasoning comes
+back apart, as `reasoning_content` and `reasoning` (reasoning.py); `chat_template_kwargs` (e.g.
+{"enable_thinking": false}) go to the chat template.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pydantic import Field
 
 from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
 from .logprobs import openai_chat, openai_text
+from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, check_choice, openai_calls, template_messages
 
 
@@ -80,6 +83,7 @@ class ChatRequest(OpenAIParams):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's other variables (vLLM's, llama.cpp's)
 
     def offered(self) -> list[dict] | None:
         """The tools the model sees (none with tool_choice "none")."""
@@ -100,6 +104,8 @@ def router(ctx: Context) -> APIRouter:
         rid, created = f"{'chatcmpl' if kind != 'text' else 'cmpl'}-{uuid.uuid4().hex[:12]}", int(time.time())
         head = {"id": rid, "created": created, "model": ctx.model_id}
         streamed = ToolCalls.of(session.tokenizer, tools)  # the stream's calls, split as its text comes
+        chat = isinstance(req, ChatRequest)  # (not Mistral's FIM route, whose answers are chat-shaped too)
+        thinks = Reasoning.of(session.tokenizer, job.ids) if chat else None  # the stream's reasoning, split
         offset = [0]  # where a stream's next text starts (the completions route's text_offset)
 
         def logprobs(run: Job, stream: bool, text: str) -> dict | None:
@@ -118,6 +124,10 @@ def router(ctx: Context) -> APIRouter:
             if kind == "text":
                 return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs(run, stream, text)}
             lp = {"logprobs": logprobs(run, stream, text)} if run.log is not None else {}
+            thought, mind = "", thinks if stream else Reasoning.of(session.tokenizer, run.ids) if chat else None
+            if mind is not None:
+                thought, text = mind.feed(text, final=done)
+            reasoning = {"reasoning_content": thought, "reasoning": thought} if thought else {}
             split = streamed if stream else ToolCalls.of(session.tokenizer, tools)
             calls = []
             if split is not None:
@@ -125,10 +135,10 @@ def router(ctx: Context) -> APIRouter:
                 if done and split.made and reason == "stop":
                     reason = "tool_calls"
             if stream:
-                delta = ({"content": text} if text else {}) | (
+                delta = reasoning | ({"content": text} if text else {}) | (
                     {"tool_calls": openai_calls(calls, split.made - len(calls), stream=True)} if calls else {})
                 return {"index": index, "delta": delta, "finish_reason": reason} | lp
-            message = {"role": "assistant", "content": (text or None) if calls else text}
+            message = {"role": "assistant", "content": (text or None) if calls else text} | reasoning
             return {"index": index, "message": message | ({"tool_calls": openai_calls(calls)} if calls else {}),
                     "finish_reason": reason} | lp
 
@@ -180,7 +190,7 @@ def router(ctx: Context) -> APIRouter:
         tools = req.offered()
         ToolCalls.of(session.tokenizer, tools)  # a model without tool calls: 400 before anything runs
         ids = encode_text(session, "", chat=True, messages=template_messages([m.plain() for m in req.messages]),
-                          tools=tools)
+                          tools=tools, template_args=req.chat_template_kwargs)
         job = Job(ids, req.limit(ctx, 512), req, t_max_predict_ms=req.t_max_predict_ms)
         gen.check(job)
         return await answer(request, req, job, "chat", tools=tools)

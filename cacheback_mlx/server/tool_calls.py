@@ -19,6 +19,7 @@ from typing import Any, Literal, Sequence
 
 from ..errors import CachebackError
 from .core import Lenient
+from .reasoning import marker_prefix
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class ToolCalls:
             if not self._inside:
                 at = self._held.find(self.start)
                 if at < 0:
-                    keep = 0 if final else _marker_prefix(self._held, self.start)
+                    keep = 0 if final else marker_prefix(self._held, self.start)
                     cut = len(self._held) - keep
                     text.append(self._held[:cut])
                     self._held = self._held[cut:]
@@ -155,14 +156,6 @@ class ToolCalls:
             return None
         return [{"name": c["name"], "arguments": c.get("arguments", {})}
                 | ({"id": c["id"]} if isinstance(c.get("id"), str) else {}) for c in parsed]
-
-
-def _marker_prefix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker` (held back until it is known)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def openai_calls(calls: list[dict], first: int = 0, stream: bool = False) -> list[dict]:
