@@ -192,7 +192,7 @@ class BatchRunner:
                 e.stats = e.stats or Stats(prompt_tokens=len(job.ids))
                 e.send(None)
                 return
-            e.lane = batch.join(job.ids, job.max_tokens, job.sampling.params(e.offset), job.context,
+            e.lane = batch.join(job.ids, job.max_tokens, gen.params(job, e.offset), job.context,
                                 fresh=not gen.keep_drafter)
         except Interrupted:
             if e.cancel or gen.stopping.is_set():

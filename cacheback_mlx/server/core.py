@@ -28,7 +28,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .. import constrained
 from ..api import Session
+from ..constrained import grammar_of
 from ..engine import Interrupted
 from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
@@ -92,13 +94,41 @@ class Sampling(Lenient):
     logprobs: bool | int | None = None
     top_logprobs: int | None = Field(None, ge=0, le=TOP_MAX)
     n_probs: int = Field(0, ge=0, le=TOP_MAX)
+    # structured output (constrained.py): OpenAI's (and llama.cpp's) response_format, llama.cpp's
+    # json_schema and grammar (GBNF); Ollama's `format` comes here too (ollama.py)
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
     WINDOW: ClassVar[int] = 64  # llama.cpp's and Ollama's repeat_last_n by default
 
-    def params(self, offset: int = 0) -> SamplingParams:
+    def params(self, offset: int = 0, constraint=None) -> SamplingParams:
+        """The engine's sampling; `constraint`: the structured output's processor (constrained.py),
+        applied after the penalties and biases."""
         seed = None if self.seed is None or self.seed < 0 else (self.seed + offset) % (1 << 64)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=seed, logits_processors=self.processors(),
+                              min_p=self.min_p, seed=seed,
+                              logits_processors=self.processors() + ((constraint,) if constraint else ()),
                               logprobs=self.alternatives() is not None)
+
+    def structure(self) -> str | None:
+        """The llguidance grammar the answer keeps to (None: free text)."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise CachebackError(f"response_format type {kind!r}: give text, json_object or json_schema")
+        if kind == "json_schema":
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, dict) else fmt.get("schema")
+            if schema is None:
+                raise CachebackError("response_format json_schema: give {\"json_schema\": {\"schema\": {...}}}")
+            return grammar_of(json_schema=schema)
+        if kind == "json_object":  # (llama.cpp takes a schema here too)
+            return grammar_of(json_schema=fmt["schema"]) if fmt.get("schema") else grammar_of(any_json=True)
+        if self.json_schema is not None:
+            return grammar_of(json_schema=self.json_schema)
+        if self.grammar:
+            return grammar_of(gbnf=self.grammar)
+        return None
 
     @field_validator("logprobs")
     @classmethod
@@ -224,6 +254,7 @@ class Job:
     truncated: bool = False
     slot: int = 0  # the engine slot it ran in (slots.py), reported as llama.cpp's id_slot
     log: TokenLog | None = None  # its tokens' log-probabilities, when asked for (TextOut makes it)
+    grammar: str | None = None  # the structured output's grammar (Generator.check sets it)
 
     @property
     def finish_reason(self) -> str:
@@ -352,6 +383,15 @@ class Generator:
             job.ids, job.truncated = ids, True
         self.session.engine.check(job.ids, job.max_tokens)
         job.sampling.check_biases(self.session.engine.vocab_size)
+        job.grammar = job.sampling.structure()
+        if job.grammar is not None:
+            constrained.check(job.grammar, self.session.tokenizer, self.session.engine.eos_ids)
+
+    def params(self, job: Job, offset: int = 0) -> SamplingParams:
+        """A run's sampling: the request's, with a structured output's constraint of its own."""
+        constraint = None if job.grammar is None else constrained.Constrained(
+            job.grammar, self.session.tokenizer, self.session.engine.eos_ids, len(job.ids))
+        return job.sampling.params(offset, constraint)
 
     def steps(self, job: Job, offset: int = 0, stop=None) -> Iterator[str]:
         """Text pieces as they become final (stop strings and rules applied), one per engine step
@@ -365,7 +405,7 @@ class Generator:
             job.stop_type, job.timings, job.slot = "limit", self.timings(job, prefill_only=True), engine.slots.active
             return
         out = TextOut(job)
-        pieces = self.session.stream_ids(job.ids, job.max_tokens, job.sampling.params(offset), job.context, stop=stop)
+        pieces = self.session.stream_ids(job.ids, job.max_tokens, self.params(job, offset), job.context, stop=stop)
         ended = False
         try:
             top = job.sampling.alternatives()

@@ -35,13 +35,13 @@ import time
 from contextlib import aclosing
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
 from mlx.utils import tree_flatten
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import CachebackError
 from .core import Context, Job, Lenient, Sampling, encode_text
@@ -71,15 +71,26 @@ class OllamaRequest(Lenient):
     logprobs: bool = False  # Ollama has these two beside `options`
     top_logprobs: int | None = Field(None, ge=0, le=TOP_MAX)
     think: bool | None = None  # a thinking model: think first (the template's enable_thinking)
+    format: str | dict[str, Any] | None = None  # structured output: "json", or a JSON schema
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, value):
+        if isinstance(value, str) and value not in ("", "json"):
+            raise ValueError('give "json" or a JSON schema')
+        return value
 
     def template_args(self) -> dict | None:
         return None if self.think is None else {"enable_thinking": self.think}
 
     def sampling(self) -> Options:
-        """The options, with the request's log-probability fields."""
-        if not self.logprobs:
-            return self.options
-        return self.options.model_copy(update={"logprobs": True, "top_logprobs": self.top_logprobs})
+        """The options, with the request's log-probability and format fields."""
+        update = {"logprobs": True, "top_logprobs": self.top_logprobs} if self.logprobs else {}
+        if self.format == "json":
+            update["response_format"] = {"type": "json_object"}
+        elif isinstance(self.format, dict):
+            update["response_format"] = {"type": "json_schema", "json_schema": {"schema": self.format}}
+        return self.options.model_copy(update=update) if update else self.options
 
     def limit(self, ctx: Context) -> int:
         n = self.options.num_predict
