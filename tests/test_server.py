@@ -571,7 +571,8 @@ class _TimedPieces:
 def test_t_max_predict_ms_waits_for_the_first_line_as_llama_cpp(pieces, text):
     """llama.cpp stops by time only once the reply holds a new line: an editor never gets a reply
     cut inside its first line (tools/server/server.cpp, `has_new_line`)."""
-    from cacheback_mlx.server.core import Generator, Job, Sampling
+    from cacheback_mlx.server.core import Generator, Job
+    from cacheback_mlx.server.fields import Sampling
 
     gen = Generator(_TimedPieces(pieces))
     job = Job([1, 2, 3], 100, Sampling(), t_max_predict_ms=250)

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from ..fim import CompletionRules
-from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text, error
+from .core import Context, Job, encode_text, error
+from .fields import TOKEN_LIMIT, Lenient, Sampling
 from .logprobs import llama_cpp
 
 

@@ -44,7 +44,8 @@ from mlx.utils import tree_flatten
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import CachebackError
-from .core import Context, Job, Lenient, Sampling, encode_text
+from .core import Context, Job, encode_text
+from .fields import Lenient, Sampling
 from .logprobs import TOP_MAX, ollama
 from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, ollama_calls, template_messages

@@ -24,7 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from .core import TOKEN_LIMIT, Context, Job, Lenient, Sampling, encode_text
+from .core import Context, Job, encode_text
+from .fields import TOKEN_LIMIT, Lenient, Sampling
 from .logprobs import openai_chat, openai_text
 from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, check_choice, openai_calls, template_messages

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, Literal, Sequence
 
 from ..errors import CachebackError
-from .core import Lenient
+from .fields import Lenient
 from .reasoning import marker_prefix
 
 log = logging.getLogger(__name__)
