@@ -6,7 +6,7 @@ sampling comes in `options` (num_predict: 0 only prefills, -1/-2 as many as fit;
 runner settings are ignored), any `model` name is accepted (one model is served) and echoed back.
 Sampling defaults are greedy, as on the other routes, with no penalty (Ollama's own are temperature
 0.8, top_k 40, repeat_penalty 1.1); `repeat_penalty`, `repeat_last_n` (64 by default),
-`presence_penalty` and `frequency_penalty` in `options` apply as on the other routes (core.Sampling).
+`presence_penalty` and `frequency_penalty` in `options` apply as on the other routes (fields.Sampling).
 
 /api/generate with `suffix` (even "") is fill-in-the-middle (prefix = prompt), in the prefix-only
 layout on models without FIM tokens (the final object then says `"fim": false`); without it, `raw`
