@@ -16,7 +16,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import zoo
-from test_server import start
+from test_server import serving
+from test_server import sse_events as events
 
 pytestmark = pytest.mark.serial  # starts servers
 
@@ -98,14 +99,8 @@ def test_logprobs_equal_mlx_lm_s_on_every_family_with_any_drafts(family):
 @pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
 def server(request):
     session = Session(None, "auto")
-    srv, thread, url = start(session, parallel=request.param)
-    yield session, url
-    srv.should_exit = True
-    thread.join(5)
-
-
-def events(r) -> list[dict]:
-    return [json.loads(x[5:]) for x in r.text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
+    with serving(session, parallel=request.param) as url:
+        yield session, url
 
 
 def test_openai_chat_logprobs_are_mlx_lm_s_and_spell_the_answer(server):

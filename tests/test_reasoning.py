@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import write_tiny_gguf
-from test_server import start
+from test_server import serving, sse_events
 from test_tool_calls import WritesACall
 
 pytestmark = pytest.mark.serial  # starts servers
@@ -55,10 +55,8 @@ def thinking_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("think") / "think.gguf"
     write_tiny_gguf(path, context=512, chat_template=TEMPLATE, specials=("<think>", "</think>"))
     session = Thinks(str(path), "ngram")
-    server, thread, url = start(session)
-    yield session, url
-    server.should_exit = True
-    thread.join(5)
+    with serving(session) as url:
+        yield session, url
 
 
 def test_openai_chat_gives_the_reasoning_apart(thinking_server):
@@ -68,9 +66,7 @@ def test_openai_chat_gives_the_reasoning_apart(thinking_server):
     msg = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
     assert msg["content"] == "Red, blue and green."
     assert msg["reasoning_content"] == msg["reasoning"] == "first, the colors"
-    chunks = [json.loads(x[5:]) for x in httpx.post(f"{url}/v1/chat/completions", json=body | {"stream": True},
-                                                     timeout=60).text.splitlines()
-              if x.startswith("data:") and "[DONE]" not in x]
+    chunks = sse_events(httpx.post(f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=60))
     deltas = [c["delta"] for ch in chunks for c in ch.get("choices", [])]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "first, the colors"
     assert "".join(d.get("content", "") for d in deltas) == "Red, blue and green."

@@ -1,5 +1,6 @@
 """The completion server, with a real HTTP client against a running uvicorn on 127.0.0.1."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -52,6 +53,22 @@ def start(session, **kw):
             break
         time.sleep(0.05)
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def serving(session, **kw):
+    """A server on `session` for the block: its URL."""
+    server, thread, url = start(session, **kw)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+def sse_events(r) -> list[dict]:
+    """A server-sent event stream's JSON events ([DONE] left out)."""
+    return [json.loads(x[5:]) for x in r.text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])

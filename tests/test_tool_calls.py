@@ -13,7 +13,8 @@ import pytest
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from conftest import write_tiny_gguf
-from test_server import start
+from test_server import serving
+from test_server import sse_events as sse
 
 pytestmark = pytest.mark.serial  # starts servers
 
@@ -137,14 +138,8 @@ class WritesACall(Session):
 @pytest.fixture(scope="module")
 def tool_server(tool_model):
     session = WritesACall(tool_model, "ngram")
-    server, thread, url = start(session)
-    yield session, url
-    server.should_exit = True
-    thread.join(5)
-
-
-def sse(r) -> list[dict]:
-    return [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    with serving(session) as url:
+        yield session, url
 
 
 def test_openai_chat_offers_tools_and_answers_the_call(tool_server):
@@ -218,10 +213,8 @@ def test_ollama_chat_answers_calls_with_arguments_as_objects(tool_server):
 def no_tools_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("notools") / "plain.gguf"
     write_tiny_gguf(path, context=256)
-    server, thread, url = start(Session(str(path), "ngram"))
-    yield url
-    server.should_exit = True
-    thread.join(5)
+    with serving(Session(str(path), "ngram")) as url:
+        yield url
 
 
 def test_tools_for_a_model_without_tool_calls_are_a_one_line_400(no_tools_server):
