@@ -171,6 +171,19 @@ def test_openai_chat_offers_tools_and_answers_the_call(tool_server):
     assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
 
 
+class CallsAfterBlankLines(WritesACall):
+    answer = f"\n\n{CALL}"
+
+
+def test_a_call_after_the_reasoning_leaves_no_blank_content(tool_model):
+    """Qwen3's way: a think block, blank lines, then the call: the message is the call alone."""
+    with serving(CallsAfterBlankLines(tool_model, "ngram")) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Paris?"}],
+                                                           "tools": [WEATHER]}, timeout=60).json()
+    msg = r["choices"][0]["message"]
+    assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 def test_a_conversation_with_calls_and_their_results_reaches_the_template(tool_server):
     session, url = tool_server
     messages = [{"role": "user", "content": "Weather in Paris?"},

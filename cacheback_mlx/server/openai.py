@@ -139,7 +139,7 @@ def router(ctx: Context) -> APIRouter:
                 delta = reasoning | ({"content": text} if text else {}) | (
                     {"tool_calls": openai_calls(calls, split.made - len(calls), stream=True)} if calls else {})
                 return {"index": index, "delta": delta, "finish_reason": reason} | lp
-            message = {"role": "assistant", "content": (text or None) if calls else text} | reasoning
+            message = {"role": "assistant", "content": (text if text.strip() else None) if calls else text} | reasoning
             return {"index": index, "message": message | ({"tool_calls": openai_calls(calls)} if calls else {}),
                     "finish_reason": reason} | lp
 
