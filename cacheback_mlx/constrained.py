@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import CachebackError
+from .tree import common_prefix
 
 _TOKENIZERS: dict[int, Any] = {}  # id(tokenizer) -> (tokenizer, llguidance's view of it): ~1 s to build
 # JSON's whitespace: any, as models pretty-print, but at most 20 characters at a time (as llama.cpp's
@@ -98,9 +99,7 @@ class Constrained:
 
     def _move_to(self, out: list[int]) -> bool:
         """Bring the matcher to just after `out`; False when the grammar forbids a token of it."""
-        k = 0
-        while k < min(len(self.fed), len(out)) and self.fed[k] == out[k]:
-            k += 1
+        k = common_prefix(self.fed, out)
         if k < len(self.fed):
             self.matcher.rollback(len(self.fed) - k)
             del self.fed[k:]
@@ -111,7 +110,7 @@ class Constrained:
         return ok == len(rest)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        out = tokens.tolist()[self.start:]
+        out = tokens[self.start:].tolist()
         if not self._move_to(out):
             return logits  # a row no accepted path reaches
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
