@@ -16,6 +16,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from ..sampling import top_tokens
+
 TOP_MAX = 20  # the most alternatives a request may ask for (OpenAI's limit)
 
 
@@ -29,11 +31,9 @@ def token_entries(tokenizer, tokens: Sequence[int], top: int) -> list[dict]:
     chosen = mx.take_along_axis(logprobs, ids, axis=1)[:, 0].astype(mx.float32)
     k = min(top, logprobs.shape[-1])
     if k:
-        best = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-        values = mx.take_along_axis(logprobs, best, axis=1)
-        order = mx.argsort(-values, axis=-1)
-        best, values = mx.take_along_axis(best, order, axis=1), mx.take_along_axis(values, order, axis=1)
-        tops = list(zip(best.tolist(), values.astype(mx.float32).tolist()))
+        best = top_tokens(logprobs, k)  # best first
+        values = mx.take_along_axis(logprobs, best, axis=1).astype(mx.float32)
+        tops = list(zip(best.tolist(), values.tolist()))
     else:
         tops = [([], [])] * len(tokens)
 
