@@ -145,19 +145,36 @@ def main():
 @click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
 @click.option("--system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
+@click.option("--json-schema", default=None, help="Keep the answer to this JSON schema (inline JSON, or a file).")
+@click.option("--grammar", default=None, help="Keep the answer to this GBNF grammar (llama.cpp's; inline, or a file).")
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
-             top_k, seed, repetition_penalty, repetition_window, chat, system, stats, distributed):
+             top_k, seed, repetition_penalty, repetition_window, chat, system, stats, json_schema, grammar,
+             distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
+    from .constrained import Constrained, check, grammar_of
     from .sampling import SamplingParams, penalties
 
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                              logits_processors=penalties(repetition_penalty, window=repetition_window))
+    processors = penalties(repetition_penalty, window=repetition_window)
+    structure = None
+    if json_schema is not None or grammar is not None:
+        def read(value: str) -> str:  # a file's text, or the value itself
+            if not os.path.isfile(value):
+                return value
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+
+        structure = grammar_of(json_schema=read(json_schema)) if json_schema is not None else \
+            grammar_of(gbnf=read(grammar))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
     if prompt == "-":
         prompt = sys.stdin.read()
     ids = session.encode(prompt, chat=chat, system=system)
+    if structure is not None:
+        check(structure, session.tokenizer, session.engine.eos_ids)
+        processors += (Constrained(structure, session.tokenizer, session.engine.eos_ids, len(ids)),)
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed, logits_processors=processors)
     for text, _ in session.stream_ids(ids, max_tokens, sampling):
         click.echo(text, nl=False)
     click.echo()

@@ -163,6 +163,26 @@ def test_bench_samples_when_given_a_temperature(tmp_path):
     assert_one_line_error(bad, "min_p")
 
 
+def test_generate_keeps_to_a_json_schema_or_a_grammar(tmp_path):
+    import json
+
+    write_tiny_gguf(tmp_path / "t.gguf", context=512)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for value in (json.dumps(schema), str(tmp_path / "s.json")):
+        r = cli("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "96", "--json-schema", value)
+        assert r.returncode == 0, r.stderr
+        assert set(json.loads(r.stdout)) == {"n"}
+    r = cli("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "8", "--grammar",
+            'root ::= "yes" | "no"')
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
+    assert_one_line_error(cli("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--json-schema", "{oops"),
+                          "grammar")
+    assert_one_line_error(cli("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--grammar", "root ::= ("),
+                          "grammar")
+
+
 def test_a_repetition_penalty_from_the_command_line_gives_mlx_lm_s_tokens(tmp_path):
     """`--repetition-penalty` (with its window) goes to every drafter and to mlx-lm's row of `bench`,
     whose lossless check then holds against mlx-lm with the same penalty; bad values: one line."""
