@@ -89,7 +89,8 @@ class Accepted(list):
     """The tokens one step accepted (a list of ids) and, when the request asked for them
     (SamplingParams.logprobs), their log-probabilities: `logprobs` [tokens, vocab], each row from
     the pass row that predicted its token, after the logits processors, as mlx-lm's generate_step
-    gives them (logits - logsumexp(logits)). Computed lazily: nothing runs until they are read."""
+    gives them (logits - logsumexp(logits)); the rows are copied out at once, the rest runs when
+    they are read (sampling.accepted_logprobs)."""
 
     logprobs: mx.array | None = None
 
