@@ -227,8 +227,8 @@ def router(ctx: Context) -> APIRouter:
             thought = ""
             if mind is not None:
                 thought, piece = mind.feed(piece, final=done)
-            body = {"message": message(piece, done) | ({"thinking": thought} if thought else {})} if chat else \
-                {"response": piece} | ({"thinking": thought} if thought else {})
+            thinking = {"thinking": thought} if thought else {}
+            body = {"message": message(piece, done) | thinking} if chat else {"response": piece} | thinking
             out = {"model": model, "created_at": now()} | body
             if job.log is not None:
                 out["logprobs"] = ollama(job.log.take() if entries is None else entries)
