@@ -167,8 +167,8 @@ def test_generate_keeps_to_a_json_schema_or_a_grammar(tmp_path):
     import json
 
     write_tiny_gguf(tmp_path / "t.gguf", context=512)
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}  # bounded: it ends within -n on any CPU
     (tmp_path / "s.json").write_text(json.dumps(schema))
     for value in (json.dumps(schema), str(tmp_path / "s.json")):
         r = cli("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "96", "--json-schema", value)
