@@ -439,8 +439,7 @@ class Batch:
             logprobs = accepted_logprobs(logits, path)
             produced.logprobs = logprobs[: len(produced)]
             stats.stop_logprobs = logprobs[eos] if eos is not None and len(produced) == eos else None
-            ids = mx.array(produced, dtype=mx.int32)[:, None]
-            lane.token_logprobs += mx.take_along_axis(produced.logprobs, ids, axis=1)[:, 0].tolist() if produced else []
+            lane.token_logprobs += produced.own_logprobs().tolist() if produced else []
         seq.history.extend(produced)
         lane.drafter.observe(produced)
         lane.drafter.recycle(tree.picked(lead[-1], picks, tops))

@@ -94,6 +94,10 @@ class Accepted(list):
 
     logprobs: mx.array | None = None
 
+    def own_logprobs(self) -> mx.array:
+        """Each token's own log-probability ([tokens]; needs `logprobs`)."""
+        return mx.take_along_axis(self.logprobs, mx.array(self, dtype=mx.int32)[:, None], axis=1)[:, 0]
+
 
 @dataclass
 class Stats:

@@ -27,8 +27,7 @@ def token_entries(tokenizer, tokens: Sequence[int], top: int) -> list[dict]:
     logprobs = getattr(tokens, "logprobs", None)
     if not tokens or logprobs is None:
         return []
-    ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
-    chosen = mx.take_along_axis(logprobs, ids, axis=1)[:, 0].astype(mx.float32)
+    chosen = tokens.own_logprobs().astype(mx.float32)
     k = min(top, logprobs.shape[-1])
     if k:
         best = top_tokens(logprobs, k)  # best first
@@ -78,10 +77,17 @@ class TokenLog:
         return new
 
 
+def with_tops(entries: list[dict], ids: bool = False) -> list[dict]:
+    """Entries as OpenAI's chat, llama.cpp's (`ids`: with the token ids) and Ollama's protocols
+    list them: token, logprob, bytes, and the alternatives the same way in `top_logprobs`."""
+    keys = ("id", "token", "logprob", "bytes") if ids else ("token", "logprob", "bytes")
+    plain = lambda e: {k: e[k] for k in keys}  # noqa: E731
+    return [plain(e) | {"top_logprobs": [plain(t) for t in e["top"]]} for e in entries]
+
+
 def openai_chat(entries: list[dict]) -> dict:
     """OpenAI's chat choice `logprobs`."""
-    plain = lambda e: {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}  # noqa: E731
-    return {"content": [plain(e) | {"top_logprobs": [plain(t) for t in e["top"]]} for e in entries]}
+    return {"content": with_tops(entries)}
 
 
 def openai_text(entries: list[dict], offset: int = 0) -> dict:
@@ -97,11 +103,9 @@ def openai_text(entries: list[dict], offset: int = 0) -> dict:
 
 def llama_cpp(entries: list[dict]) -> list[dict]:
     """llama.cpp's `completion_probabilities`."""
-    plain = lambda e: {"id": e["id"], "token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}  # noqa: E731
-    return [plain(e) | {"top_logprobs": [plain(t) for t in e["top"]]} for e in entries]
+    return with_tops(entries, ids=True)
 
 
 def ollama(entries: list[dict]) -> list[dict]:
     """Ollama's `logprobs`."""
-    plain = lambda e: {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}  # noqa: E731
-    return [plain(e) | {"top_logprobs": [plain(t) for t in e["top"]]} for e in entries]
+    return with_tops(entries)
