@@ -125,7 +125,7 @@ def router(ctx: Context) -> APIRouter:
             if kind == "text":
                 return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs(run, stream, text)}
             lp = {"logprobs": logprobs(run, stream, text)} if run.log is not None else {}
-            thought, mind = "", thinks if stream else Reasoning.of(session.tokenizer, run.ids) if chat else None
+            thought, mind = "", thinks if stream else (Reasoning.of(session.tokenizer, run.ids) if chat else None)
             if mind is not None:
                 thought, text = mind.feed(text, final=done)
             reasoning = {"reasoning_content": thought, "reasoning": thought} if thought else {}
