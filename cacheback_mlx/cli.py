@@ -219,7 +219,8 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
 @click.option("--port", default=8012, show_default=True)
 @model_option
 @drafter_option
-@click.option("--api-key", default=None, envvar="CACHEBACK_MLX_API_KEY", help="Require Authorization: Bearer KEY.")
+@click.option("--api-key", default=None, envvar="CACHEBACK_MLX_API_KEY",
+              help="Require Authorization: Bearer KEY (or x-api-key: KEY).")
 @click.option("--max-body", default=1 << 20, show_default=True, help="Largest request body in bytes.")
 @click.option("--strict-infill", is_flag=True,
               help="Answer /infill with 501 on models without FIM tokens, as llama.cpp does "
@@ -243,7 +244,8 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
           batch_size, infill_extra, slots, parallel, distributed):
-    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*."""
+    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*,
+    Anthropic /v1/messages."""
     from .server import serve as run_server
 
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)

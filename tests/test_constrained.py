@@ -167,6 +167,9 @@ def test_each_protocol_s_structured_output(server):
     r = httpx.post(f"{url}/api/generate", json={"prompt": short[0]["content"], "stream": False, "format": "json",
                                                 "options": {"num_predict": 128}}, timeout=120).json()
     assert isinstance(json.loads(r["response"]), dict)
+    r = httpx.post(f"{url}/v1/messages", json={"messages": ASK, "max_tokens": 128, "output_config": {
+        "format": {"type": "json_schema", "schema": PERSON}}}, timeout=120).json()
+    person("".join(b["text"] for b in r["content"]))
 
 
 @pytest.mark.serial
@@ -179,3 +182,6 @@ def test_bad_structured_output_requests_are_4xx(server):
         assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (body, r.text)
     r = httpx.post(f"{url}/api/chat", json={"messages": ASK, "stream": False, "format": "yaml"}, timeout=60)
     assert 400 <= r.status_code < 500
+    r = httpx.post(f"{url}/v1/messages", json={"messages": ASK, "max_tokens": 4, "output_config": {
+        "format": {"type": "json_schema", "schema": "nope"}}}, timeout=60)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"]

@@ -38,13 +38,15 @@ from .logprobs import TokenLog, token_entries
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """llama.cpp's and OpenAI's error shape."""
-    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
+    """llama.cpp's and OpenAI's error shape, which Anthropic's clients read too (its top-level type)."""
+    return JSONResponse({"type": "error", "error": {"code": status, "message": message, "type": kind}},
+                        status_code=status)
 
 
 class BodyGuard:
     """ASGI middleware: bodies over max_body bytes get a 413 whether or not they say their length
-    (chunked uploads are counted as they arrive), and a wrong API key a 401. A body is JSON whatever
+    (chunked uploads are counted as they arrive), and a wrong API key a 401 (the key comes as
+    `Authorization: Bearer KEY`, or as Anthropic's clients send it, `x-api-key: KEY`). A body is JSON whatever
     its Content-Type says, as llama.cpp and Ollama read it (`curl -d '{...}'` sends it as a form)."""
 
     def __init__(self, app, max_body: int, api_key: str | None):
@@ -57,9 +59,9 @@ class BodyGuard:
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > self.max_body):
             return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        if (self.api_key and scope["path"] not in ("/health", "/")
-                and headers.get("authorization") != f"Bearer {self.api_key}"):
-            return await error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+        keys = (headers.get("authorization"), f"Bearer {headers.get('x-api-key')}")
+        if self.api_key and scope["path"] not in ("/health", "/") and f"Bearer {self.api_key}" not in keys:
+            return await error(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                                "authentication_error")(scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
@@ -100,6 +102,7 @@ class Job:
     # (learning.start_request)
     text: str = ""
     stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
+    stop_word: str | None = None  # the stop string that ended it (stop_type "word")
     hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
     timings: dict = field(default_factory=dict)
     truncated: bool = False
@@ -135,9 +138,9 @@ class TextOut:
             self.log.add(entries or [], len(self.raw), len(piece))
         self.raw += piece
         text = job.rules.visible(self.raw) if job.rules is not None else self.raw
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        cut, word = min(((text.find(s), s) for s in self.stops if s in text), default=(-1, None))
         if cut >= 0:
-            job.stop_type = "word"
+            job.stop_type, job.stop_word = "word", word
         elif job.rules is not None and (c := job.rules.cut(text)) is not None:
             cut, job.stop_type = c, "limit"
         if cut >= 0:
