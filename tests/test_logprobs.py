@@ -163,3 +163,42 @@ def test_bad_logprob_requests_are_4xx(server):
                  {"logprobs": [1]}):
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2} | body, timeout=60)
         assert 400 <= r.status_code < 500, (body, r.text)
+
+
+def spm_tokenizer():
+    """A SentencePiece-style vocabulary (GGUF's "llama" tokenizer): pieces with U+2581 for a space,
+    and byte pieces for what no piece spells."""
+    from cacheback_mlx.tokenizer import tokenizer_from_gguf
+    pieces = ["\u2581the", "\u2581cat", "\u2581caf", "\u2581", "the", "cat", "s", "."]
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    return tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+                                "tokenizer.ggml.scores": [0.0] * 259 + [-1.0] * len(pieces),
+                                "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
+                                "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": False})
+
+
+def test_token_bytes_are_what_each_token_adds_to_the_text(tmp_path):
+    from cacheback_mlx.server.logprobs import TokenLog, token_bytes
+
+    from conftest import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "t.gguf")
+    for tok, text in ((Session(str(tmp_path / "t.gguf"), "none").tokenizer, "the café, 日本 😀 cats."),
+                      (spm_tokenizer(), "the cats café.")):
+        ids = tok.encode(text, add_special_tokens=False)
+        piece = token_bytes(tok)
+        raw = [piece(i) for i in ids]
+        assert b"".join(raw).decode().removeprefix(" ") == text  # (SentencePiece: a space in front)
+        assert any(len(r) == 1 and r[0] >= 0x80 for r in raw)  # a part of a character, as it is
+        log = TokenLog()  # each token placed where its text starts in the answer, parts of a character too
+        entries = [{"token": r.decode("utf-8", "replace"), "bytes": list(r)} for r in raw]
+        log.add(entries, 0, len(text))
+        starts = [at for at, _ in log.pending]
+        seen = b""
+        for at, r in zip(starts, raw):
+            assert at == len(seen.decode("utf-8", "ignore").removeprefix(" "))
+            seen += r
+    spm = spm_tokenizer()
+    ids = spm.encode("the cat", add_special_tokens=False)
+    assert [token_bytes(spm)(i) for i in ids] == [b" the", b" cat"]  # the space decoding alone drops
+    assert spm.decode([ids[1]]) == "cat"

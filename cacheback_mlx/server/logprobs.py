@@ -6,15 +6,20 @@ The values are mlx-lm's (logits - logsumexp(logits), after the penalties and bia
 the pass row that predicted its token (engine.Accepted): drafting changes none of them beyond a
 pass's rounding. A token's entry goes out with the text it produced: once the text where it starts is shown;
 tokens whose text a stop string or an editor's rule cut off are left out.
-Token strings are the tokenizer's decoding of the token alone, and `bytes` their UTF-8 (a token
-holding part of a character reads as U+FFFD there).
+A token's `bytes` are the ones it adds to the text, read from the detokenizer's own table (a
+SentencePiece or byte-level token's leading space included, part of a character as it is, as
+llama.cpp's pieces and OpenAI's bytes are), and its string those bytes as text (a part of a
+character reads as U+FFFD there); tokenizers without such a table give the token decoded alone.
 """
 
 from __future__ import annotations
 
+import codecs
+from functools import lru_cache
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from ..sampling import top_tokens
 
@@ -36,12 +41,38 @@ def token_entries(tokenizer, tokens: Sequence[int], top: int) -> list[dict]:
     else:
         tops = [([], [])] * len(tokens)
 
+    piece = token_bytes(tokenizer)
+
     def entry(token: int, logprob: float) -> dict:
-        text = tokenizer.decode([token])
-        return {"id": token, "token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = piece(token)
+        return {"id": token, "token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
     return [entry(int(t), c) | {"top": [entry(i, v) for i, v in zip(*alts)]}
             for t, c, alts in zip(tokens, chosen.tolist(), tops)]
+
+
+def token_bytes(tokenizer):
+    """A function from a token id to the bytes it adds to the text (see the module's docstring)."""
+    detok = tokenizer.detokenizer
+    table = getattr(detok, "tokenmap", None)
+    if isinstance(detok, SPMStreamingDetokenizer):  # bytes already, "\u2581" for a space
+        return lambda t: table[t].replace(b"\xe2\x96\x81", b" ") if t < len(table) else tokenizer.decode([t]).encode()
+    if isinstance(detok, BPEStreamingDetokenizer):  # one character a byte (GPT-2's map); added tokens as written
+        to_byte = _byte_level()
+        return lambda t: (b"".join(to_byte.get(c) or c.encode("utf-8") for c in table[t]) if t < len(table)
+                          else tokenizer.decode([t]).encode())
+    return lambda t: tokenizer.decode([t]).encode("utf-8")
+
+
+@lru_cache(maxsize=1)
+def _byte_level() -> dict[str, bytes]:
+    """Byte-level BPE's characters and the bytes they stand for: printable bytes as themselves, the
+    others shifted past 255 in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in kept]
+    out = {chr(b): bytes([b]) for b in kept}
+    out.update({chr(256 + i): bytes([b]) for i, b in enumerate(shifted)})
+    return out
 
 
 class TokenLog:
@@ -51,19 +82,23 @@ class TokenLog:
         self.pending: list[tuple[int, dict]] = []  # (where the token's text starts, its entry)
         self.shown: list[dict] = []  # entries whose text was shown, in order
         self.taken = 0  # of them, handed to a stream so far
-        self.chars = 0  # where the next token's text starts, as far as the tokens' own texts tell
+        self.chars = 0  # where the next token's text starts, as far as the tokens' own bytes tell
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a character's parts count once
+        self.begun = False  # some text came (the detokenizers drop the answer's first space)
 
     def add(self, entries: list[dict], start: int, length: int) -> None:
         """A step's entries, whose text is (at most: a detokenizer holds back a token's text until
         the next) the `length` characters from `start` in the answer's text. Each token's text
-        starts where the ones before it end, as far as each token's text alone tells (an answer's
-        first space is dropped, as the detokenizers do), never past the step's text."""
+        starts where the ones before it end, as far as the tokens' bytes tell (a character's parts
+        all start where it does; an answer's first space is dropped, as the detokenizers do), never
+        past the step's text."""
         end = start + max(length - 1, 0)
         self.chars = min(self.chars, end)
         for e in entries:
-            first = not (self.pending or self.shown)
             self.pending.append((min(self.chars, end), e))
-            self.chars += len(e["token"].removeprefix(" ") if first else e["token"])
+            text = self.utf8.decode(bytes(e["bytes"]))
+            self.chars += len(text if self.begun else text.removeprefix(" "))
+            self.begun = self.begun or bool(text)
 
     def show(self, upto: int) -> None:
         """The answer's text before `upto` is shown: every token whose text starts before it too."""
