@@ -2,7 +2,9 @@
 
 The Session keeps the KV cache and the drafter across turns, so each turn prefills only its new
 tokens and the drafter keeps what it learned: later turns get faster, and the footer shows it.
-Ctrl-C stops a reply (the part shown stays in the conversation), Ctrl-D quits.
+Ctrl-C stops a reply (the part shown stays in the conversation), Ctrl-D quits. A thinking
+model's reasoning (reasoning.py) is shown dimmed and kept beside its answer in the conversation
+(`reasoning_content`, which chat templates leave out of earlier turns).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from .drafters import drafter_names
 from .errors import CachebackError
+from .reasoning import Reasoning
 from .sampling import SamplingParams
 
 HELP = """commands:
@@ -140,23 +143,44 @@ def handle_command(line: str, session, state: ChatState) -> str | None:
     return f"unknown command /{cmd} (try /help)"
 
 
-def reply(session, state: ChatState, max_tokens: int, sampling: SamplingParams, write, note=None) -> None:
+def reply(session, state: ChatState, max_tokens: int, sampling: SamplingParams, write, note=None,
+          think=None) -> None:
     """Stream one assistant reply; on Ctrl-C keep what was shown. When the conversation outgrows
-    the context, its oldest turns are dropped and `note` says so in one line."""
+    the context, its oldest turns are dropped and `note` says so in one line. A thinking model's
+    reasoning goes to `think` (default: written as the model wrote it, markers and all) and into
+    the message's `reasoning_content`, its answer into `content`."""
     reserve = min(max_tokens, session.loaded.context_length // 4)
     ids, dropped = fit_context(session, state, reserve)
     if dropped:
         (note or write)(f"[context full: the {dropped} oldest message{'s' if dropped > 1 else ''} no longer "
                         f"fit and {'were' if dropped > 1 else 'was'} dropped; the system prompt stays]\n")
-    text = ""
+    mind = Reasoning.of(session.tokenizer, ids)
+    text, thought = [], []
+
+    def show(piece: str, final: bool = False) -> None:
+        if mind is None:
+            text.append(piece)
+            return write(piece)
+        t, said = mind.feed(piece, final)
+        thought.append(t)
+        text.append(said)
+        if think is None:
+            return write(piece)  # as the model wrote it
+        think(t)
+        write(said)
+
+    stopped = False
     try:
         for piece, _ in session.stream_ids(ids, max_tokens, sampling):
-            text += piece
-            write(piece)
+            show(piece)
     except KeyboardInterrupt:
-        write(" [stopped]")
+        stopped = True
     finally:
-        state.messages.append({"role": "assistant", "content": text})
+        show("", final=True)  # what a marker's first characters held back
+        if stopped:
+            write(" [stopped]")
+        message = {"role": "assistant", "content": "".join(text)}
+        state.messages.append(message | ({"reasoning_content": "".join(thought)} if "".join(thought) else {}))
         state.last_stats = session.stats.as_dict()
     write("\n")
 
@@ -228,7 +252,8 @@ def run_chat(session, system: str | None, max_tokens: int, sampling: SamplingPar
         start = state.start
         try:
             reply(session, state, max_tokens, sampling, write,
-                  note=(lambda t: write(f"\033[2m{t.rstrip()}\033[0m\n")) if interactive else None)
+                  note=(lambda t: write(f"\033[2m{t.rstrip()}\033[0m\n")) if interactive else None,
+                  think=(lambda t: t and write(f"\033[2m{t}\033[0m")) if interactive else None)
         except CachebackError as e:
             state.messages.pop()
             state.start = start  # an over-long message drops nothing

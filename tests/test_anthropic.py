@@ -7,8 +7,8 @@ import random
 
 from cacheback_mlx.api import Session
 from cacheback_mlx.errors import CachebackError
+from cacheback_mlx.reasoning import Reasoning
 from cacheback_mlx.server.anthropic import Blocks, Counted, MessagesRequest
-from cacheback_mlx.server.reasoning import Reasoning
 from cacheback_mlx.server.tool_calls import ToolCalls
 
 import anthropic

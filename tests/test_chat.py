@@ -129,3 +129,26 @@ def test_a_long_chat_on_a_small_context_keeps_answering_exactly(tmp_path):
     assert state.start > 0 and len(state.messages) == 80  # /save still has the whole conversation
     ids = session.encode([{"role": "system", "content": "Be brief."}] + state.messages[state.start:], chat=True)
     assert "Be brief." in session.tokenizer.decode(ids) and len(ids) <= 256
+
+
+def test_a_thinking_model_s_reasoning_is_shown_apart_and_kept_beside_its_answer(tmp_path):
+    from cacheback_mlx.chat import reply
+    from cacheback_mlx.sampling import SamplingParams
+
+    from conftest import write_tiny_gguf
+    from test_reasoning import TEMPLATE, Thinks
+    write_tiny_gguf(tmp_path / "t.gguf", context=512, chat_template=TEMPLATE, specials=("<think>", "</think>"))
+    session = Thinks(str(tmp_path / "t.gguf"), "none")
+    answer = {"role": "assistant", "content": "Red, blue and green.", "reasoning_content": "first, the colors"}
+    for think in (None, []):  # a script's output (as written), the REPL's (reasoning apart, dimmed)
+        state, out = ChatState(), []
+        state.messages.append({"role": "user", "content": "Three colors?"})
+        reply(session, state, 32, SamplingParams(), out.append, think=None if think is None else think.append)
+        assert state.messages[-1] == answer
+        if think is None:
+            assert "".join(out) == Thinks.answer + "\n"
+        else:
+            assert "".join(think) == "first, the colors" and "".join(out) == "Red, blue and green.\n"
+    state.messages.append({"role": "user", "content": "More?"})
+    reply(session, state, 32, SamplingParams(), out.append)  # the kept turn goes through the template
+    assert "Red, blue and green." in session.tokenizer.decode(session.prompts[-1])

@@ -1,11 +1,11 @@
 """Reasoning: a thinking model's text between its think markers comes back apart from its answer
-(server/reasoning.py), by OpenAI's and Ollama's names, streamed or not."""
+(reasoning.py), by OpenAI's and Ollama's names, streamed or not."""
 
 import json
 import random
 
 from cacheback_mlx.api import Session
-from cacheback_mlx.server.reasoning import Reasoning
+from cacheback_mlx.reasoning import Reasoning
 
 import httpx
 import pytest

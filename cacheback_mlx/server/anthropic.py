@@ -4,7 +4,7 @@ vLLM's servers speak it, so Claude Code and Anthropic's SDKs can run on a local 
 A request's `system` and `messages` (text, tool_use and tool_result blocks, the assistant's earlier
 thinking) go to the model's chat template as the OpenAI route's messages do; `tools` (custom tools
 with an `input_schema`) too, with `tool_choice` "auto" or "none". The answer comes back as content
-blocks: the model's reasoning as a `thinking` block (its markers as mlx-lm finds them, reasoning.py),
+blocks: the model's reasoning as a `thinking` block (its markers as mlx-lm finds them, ../reasoning.py),
 its text, and each call it writes as a `tool_use` block (tool_calls.py), with stop_reason "end_turn",
 "max_tokens", "stop_sequence" (and which) or "tool_use". Streamed, the events are Anthropic's
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop), each named on
@@ -27,9 +27,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from ..errors import CachebackError
+from ..reasoning import Reasoning
 from .core import Context, Job, encode_text
 from .fields import TOKEN_LIMIT, Lenient, Sampling
-from .reasoning import Reasoning
 from .tool_calls import ToolCalls, template_messages
 
 

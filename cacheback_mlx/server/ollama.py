@@ -24,7 +24,7 @@ in model_info["tokenizer.chat_template"], where GGUF files keep it. Errors are O
 `message.tool_calls` (arguments as objects); messages may carry the assistant's calls and "tool"
 messages with their results (tool_calls.py). A thinking model's reasoning comes back apart, in
 `message.thinking` (/api/generate: `thinking`); `think: false` asks the template for none
-(enable_thinking), `think: true` for it (reasoning.py).
+(enable_thinking), `think: true` for it (../reasoning.py).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from mlx.utils import tree_flatten
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import CachebackError
+from ..reasoning import Reasoning
 from .core import Context, Job, encode_text
 from .fields import Lenient, Sampling
 from .logprobs import TOP_MAX, ollama
-from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, ollama_calls, template_messages
 
 VERSION = "0.6.0"  # the Ollama API version these routes follow

@@ -10,7 +10,7 @@ after it, with no choices, as OpenAI's protocol says.
 Chat requests may offer `tools` (with `tool_choice` "auto" or "none"); the model's calls come back
 as `tool_calls` with finish_reason "tool_calls", and the conversation may carry the assistant's
 calls and "tool" messages with their results (tool_calls.py). A thinking model's reasoning comes
-back apart, as `reasoning_content` and `reasoning` (reasoning.py); `chat_template_kwargs` (e.g.
+back apart, as `reasoning_content` and `reasoning` (../reasoning.py); `chat_template_kwargs` (e.g.
 {"enable_thinking": false}) go to the chat template.
 """
 
@@ -24,10 +24,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
+from ..reasoning import Reasoning
 from .core import Context, Job, encode_text
 from .fields import TOKEN_LIMIT, Lenient, Sampling
 from .logprobs import openai_chat, openai_text
-from .reasoning import Reasoning
 from .tool_calls import Tool, ToolCall, ToolCalls, as_dicts, check_choice, openai_calls, template_messages
 
 

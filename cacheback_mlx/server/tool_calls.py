@@ -18,8 +18,8 @@ import uuid
 from typing import Any, Literal, Sequence
 
 from ..errors import CachebackError
+from ..reasoning import marker_prefix
 from .fields import Lenient
-from .reasoning import marker_prefix
 
 log = logging.getLogger(__name__)
 
