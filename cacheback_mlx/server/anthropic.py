@@ -8,9 +8,12 @@ blocks: the model's reasoning as a `thinking` block (its markers as mlx-lm finds
 its text, and each call it writes as a `tool_use` block (tool_calls.py), with stop_reason "end_turn",
 "max_tokens", "stop_sequence" (and which) or "tool_use". Streamed, the events are Anthropic's
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop), each named on
-its `event:` line as the SDKs read them. `thinking` {"type": "enabled"} or {"type": "disabled"}
-reaches the template as `enable_thinking`; `output_config.format` (a JSON schema) keeps the answer
-to it (constrained.py). Images and documents are refused with a 400: the models here read text.
+its `event:` line as the SDKs read them. A prompt that leaves the reply too little of the
+context is refused ("prompt is too long", as Anthropic's API says it), never cut; a reply that
+fills the context stops with "model_context_window_exceeded". `thinking` {"type": "enabled"} or
+{"type": "disabled"} reaches the template as `enable_thinking`; `output_config.format` (a JSON
+schema) keeps the answer to it (constrained.py). Images and documents are refused with a 400: the
+models here read text.
 Sampling defaults to greedy decoding, as on every route of this server (give `temperature`).
 Errors have Anthropic's shape ({"type": "error", "error": {"type", "message"}}), which the other
 protocols' clients read too.
@@ -253,13 +256,18 @@ def router(ctx: Context) -> APIRouter:
                 "cache_read_input_tokens": cached, "output_tokens": job.timings.get("predicted_n", 0)}
 
     def stop(job: Job, blocks: Blocks) -> dict:
+        full = len(job.ids) + job.timings.get("predicted_n", 0) >= session.loaded.context_length
         reason = ("max_tokens" if job.hit_max else "stop_sequence" if job.stop_type == "word"
-                  else "tool_use" if blocks.called else "end_turn")
+                  else "tool_use" if blocks.called else "model_context_window_exceeded" if full else "end_turn")
         return {"stop_reason": reason, "stop_sequence": job.stop_word if reason == "stop_sequence" else None}
 
     @api.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         ids, tools = encode(req)
+        fitted, cut = session.fit(ids, req.max_tokens)
+        if cut:  # as Anthropic's API answers (clients such as Claude Code then compact the conversation)
+            raise CachebackError(f"prompt is too long: {len(ids)} tokens > {len(fitted)} maximum (the model's "
+                                 f"context of {session.loaded.context_length} tokens, less room for the reply)")
         job = Job(ids, req.max_tokens, req)
         gen.check(job)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
