@@ -253,3 +253,6 @@ def test_a_prompt_too_long_is_refused_and_a_full_context_said(plain_server):
     m = client.messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": "y" * 160}])
     assert m.stop_reason == "model_context_window_exceeded"
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens == 256
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 160}],
+                                                       "max_tokens": 200}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length"  # the OpenAI route: cut short, as llama.cpp says it

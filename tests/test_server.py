@@ -573,6 +573,7 @@ class _TimedPieces:
 
         self.pieces, self.stats = pieces, Stats(prompt_tokens=3)
         self.engine = SimpleNamespace(slots=SimpleNamespace(active=0))
+        self.loaded = SimpleNamespace(context_length=4096)
 
     def stream_ids(self, ids, max_tokens, params, context, stop=None):
         for piece in self.pieces:

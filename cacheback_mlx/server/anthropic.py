@@ -257,8 +257,8 @@ def router(ctx: Context) -> APIRouter:
 
     def stop(job: Job, blocks: Blocks) -> dict:
         full = len(job.ids) + job.timings.get("predicted_n", 0) >= session.loaded.context_length
-        reason = ("max_tokens" if job.hit_max else "stop_sequence" if job.stop_type == "word"
-                  else "tool_use" if blocks.called else "model_context_window_exceeded" if full else "end_turn")
+        reason = ("stop_sequence" if job.stop_type == "word" else "model_context_window_exceeded" if full
+                  else "max_tokens" if job.hit_max else "tool_use" if blocks.called else "end_turn")
         return {"stop_reason": reason, "stop_sequence": job.stop_word if reason == "stop_sequence" else None}
 
     @api.post("/v1/messages")

@@ -106,7 +106,7 @@ class BatchRunner:
             if not ended:
                 detok.finalize()
                 new, ended = out.add(detok.last_segment, stats.decode_s)
-            rest = out.finish(ended, stats.tokens)
+            rest = out.finish(ended, stats.tokens, gen.session.loaded.context_length)
             job.slot = lane.index if lane is not None else 0
             job.timings = gen.timings(job, stats=stats)
             if rest:

@@ -103,7 +103,7 @@ class Job:
     text: str = ""
     stop_type: str = "none"  # llama.cpp's: eos, word (a stop string), limit (tokens, time, indent)
     stop_word: str | None = None  # the stop string that ended it (stop_type "word")
-    hit_max: bool = False  # the token limit ended it (OpenAI's finish_reason "length")
+    hit_max: bool = False  # the token limit or the context's end ended it (OpenAI's finish_reason "length")
     timings: dict = field(default_factory=dict)
     truncated: bool = False
     slot: int = 0  # the engine slot it ran in (slots.py), reported as llama.cpp's id_slot
@@ -161,11 +161,11 @@ class TextOut:
             self.log.show(self.sent)
         return new, False
 
-    def finish(self, ended: bool, tokens: int) -> str:
-        """The job is over (`ended`: by add's say, else its tokens ran out or EOS): set its text
-        and stop type; the text not sent yet."""
+    def finish(self, ended: bool, tokens: int, context: int) -> str:
+        """The job is over (`ended`: by add's say, else its tokens or the model's `context` ran
+        out, or EOS): set its text and stop type; the text not sent yet."""
         job = self.job
-        if not ended and tokens >= job.max_tokens:
+        if not ended and (tokens >= job.max_tokens or len(job.ids) + tokens >= context):
             job.stop_type, job.hit_max = "limit", True
         job.text = self.text
         if self.log is not None:
@@ -271,7 +271,7 @@ class Generator:
                 yield new  # "" too: callers check for a disconnect
         finally:
             pieces.close()
-        rest = out.finish(ended, self.session.stats.tokens)
+        rest = out.finish(ended, self.session.stats.tokens, self.session.loaded.context_length)
         job.slot = engine.slots.active
         job.timings = self.timings(job)
         if rest:
