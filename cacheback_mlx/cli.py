@@ -244,8 +244,8 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
           batch_size, infill_extra, slots, parallel, distributed):
-    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/*, Ollama /api/*,
-    Anthropic /v1/messages."""
+    """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/* (/v1/responses
+    too), Ollama /api/*, Anthropic /v1/messages."""
     from .server import serve as run_server
 
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)

@@ -170,6 +170,9 @@ def test_each_protocol_s_structured_output(server):
     r = httpx.post(f"{url}/v1/messages", json={"messages": ASK, "max_tokens": 128, "output_config": {
         "format": {"type": "json_schema", "schema": PERSON}}}, timeout=120).json()
     person("".join(b["text"] for b in r["content"]))
+    r = httpx.post(f"{url}/v1/responses", json={"input": ASK, "max_output_tokens": 128, "text": {
+        "format": {"type": "json_schema", "name": "person", "schema": PERSON}}}, timeout=120).json()
+    person("".join(c["text"] for item in r["output"] if item["type"] == "message" for c in item["content"]))
 
 
 @pytest.mark.serial
@@ -184,4 +187,7 @@ def test_bad_structured_output_requests_are_4xx(server):
     assert 400 <= r.status_code < 500
     r = httpx.post(f"{url}/v1/messages", json={"messages": ASK, "max_tokens": 4, "output_config": {
         "format": {"type": "json_schema", "schema": "nope"}}}, timeout=60)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/responses", json={"input": ASK, "max_output_tokens": 4, "text": {
+        "format": {"type": "json_schema", "schema": {"type": "nope"}}}}, timeout=60)
     assert 400 <= r.status_code < 500 and r.json()["error"]["message"]

@@ -2,8 +2,8 @@
 
 One file per protocol over one shared core (core.py: request fields, errors, the body guard,
 generation jobs): llama.cpp's /infill and /completion (llama_cpp.py), OpenAI's /v1/* and Mistral's
-/v1/fim/completions (openai.py), Ollama's /api/* (ollama.py), Anthropic's /v1/messages
-(anthropic.py). Bad input gets a 4xx with a JSON
+/v1/fim/completions (openai.py), OpenAI's /v1/responses (responses.py), Ollama's /api/*
+(ollama.py), Anthropic's /v1/messages (anthropic.py). Bad input gets a 4xx with a JSON
 error, never a 5xx.
 """
 
@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from ..api import Session
 from ..errors import CachebackError
 from ..fim import InfillBuilder
-from . import anthropic, llama_cpp, ollama, openai
+from . import anthropic, llama_cpp, ollama, openai, responses
 from .core import BodyGuard, Context, Generator, error
 
 
@@ -66,7 +66,7 @@ def create_app(session: Session, api_key: str | None = None, max_body: int = 1 <
     async def user_error(request: Request, exc: CachebackError):
         return error(400, str(exc))
 
-    for protocol in (llama_cpp, openai, ollama, anthropic):
+    for protocol in (llama_cpp, openai, responses, ollama, anthropic):
         app.include_router(protocol.router(ctx))
     return app
 

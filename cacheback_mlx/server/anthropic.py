@@ -33,7 +33,7 @@ from ..errors import CachebackError
 from ..reasoning import Reasoning
 from .core import Context, Job, encode_text
 from .fields import TOKEN_LIMIT, Lenient, Sampling
-from .tool_calls import ToolCalls, template_messages
+from .tool_calls import ToolCalls, answer_parts, call_arguments, template_messages
 
 
 class Block(Lenient):
@@ -190,14 +190,8 @@ class Blocks:
 
     def feed(self, piece: str, final: bool = False) -> list[dict]:
         events = []
-        thought, said = self.mind.feed(piece, final) if self.mind is not None else ("", piece)
-        if thought:
-            events += self._add("thinking", thought)
-        text, calls = self.split.feed(said, final) if self.split is not None else (said, [])
-        if text:
-            events += self._add("text", text)
-        for call in calls:
-            events += self._close() + self._call(call)
+        for kind, part in answer_parts(self.mind, self.split, piece, final):
+            events += self._call(part) if kind == "call" else self._add(kind, part)
         return events + (self._close() if final else [])
 
     @property
@@ -217,20 +211,16 @@ class Blocks:
         return events + [{"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}]
 
     def _call(self, call: dict) -> list[dict]:
-        args = call["arguments"]
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                args = {"arguments": args}
+        events = self._close()
         block = {"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}", "name": call["name"],
-                 "input": args if isinstance(args, dict) else {"arguments": args}}
+                 "input": call_arguments(call)}
         self.content.append(block)
         i = len(self.content) - 1
-        return [{"type": "content_block_start", "index": i, "content_block": block | {"input": {}}},
-                {"type": "content_block_delta", "index": i,
-                 "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}},
-                {"type": "content_block_stop", "index": i}]
+        arguments = json.dumps(block["input"], ensure_ascii=False)
+        return events + [{"type": "content_block_start", "index": i, "content_block": block | {"input": {}}},
+                         {"type": "content_block_delta", "index": i,
+                          "delta": {"type": "input_json_delta", "partial_json": arguments}},
+                         {"type": "content_block_stop", "index": i}]
 
     def _close(self) -> list[dict]:
         if not self.open:

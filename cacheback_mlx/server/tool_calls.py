@@ -158,6 +158,28 @@ class ToolCalls:
                 | ({"id": c["id"]} if isinstance(c.get("id"), str) else {}) for c in parsed]
 
 
+def answer_parts(mind, split: ToolCalls | None, piece: str, final: bool = False) -> list[tuple[str, Any]]:
+    """One piece of an answer as its parts, in order: ("thinking", text) from the reasoning
+    splitter `mind` (reasoning.Reasoning, or None), ("text", text), then ("call", call) for each
+    call the tool-call splitter `split` completed (None: no tools offered)."""
+    thought, said = mind.feed(piece, final) if mind is not None else ("", piece)
+    text, calls = split.feed(said, final) if split is not None else (said, [])
+    return ([("thinking", thought)] if thought else []) + ([("text", text)] if text else []) + [
+        ("call", c) for c in calls]
+
+
+def call_arguments(call: dict) -> dict:
+    """A call's arguments as an object (a parser that gave a JSON string: parsed; anything else
+    kept under "arguments")."""
+    args = call["arguments"]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return {"arguments": args}
+    return args if isinstance(args, dict) else {"arguments": args}
+
+
 def openai_calls(calls: list[dict], first: int = 0, stream: bool = False) -> list[dict]:
     """OpenAI's shape: arguments as a JSON string, an id per call (the model's own where it wrote
     one), and its index in a stream."""
