@@ -160,3 +160,47 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if mark in item.keywords:
                 item.add_marker(skip)
+
+
+# Servers on tiny chat models for the protocol tests (test_reasoning, test_anthropic, test_responses)
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    """A model whose every answer writes a tool call (test_tool_calls.WritesACall), behind the API
+    key "sekrit": (session, url)."""
+    from test_server import serving
+    from test_tool_calls import TOOLS_TEMPLATE, WritesACall
+
+    path = tmp_path_factory.mktemp("tools") / "tools.gguf"
+    write_tiny_gguf(path, context=512, chat_template=TOOLS_TEMPLATE)
+    session = WritesACall(str(path), "ngram")
+    with serving(session, api_key="sekrit") as url:
+        yield session, url
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A model that thinks, then answers (test_reasoning.Thinks): (session, url)."""
+    from test_reasoning import TEMPLATE, Thinks
+    from test_server import serving
+
+    path = tmp_path_factory.mktemp("think") / "think.gguf"
+    write_tiny_gguf(path, context=512, chat_template=TEMPLATE, specials=("<think>", "</think>"))
+    session = Thinks(str(path), "ngram")
+    with serving(session) as url:
+        yield session, url
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
+def plain_server(tmp_path_factory, request):
+    """A random tiny chat model of 256 tokens' context, one request at a time and as lanes: its url."""
+    from cacheback_mlx.api import Session
+
+    from test_reasoning import TEMPLATE
+    from test_server import serving
+
+    path = tmp_path_factory.mktemp("plain") / "plain.gguf"
+    write_tiny_gguf(path, context=256, chat_template=TEMPLATE.replace("<think>\n", ""))
+    with serving(Session(str(path), "ngram"), parallel=request.param) as url:
+        yield url

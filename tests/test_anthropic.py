@@ -5,7 +5,6 @@ conversations reach the chat template as the OpenAI route's do, answers come bac
 import json
 import random
 
-from cacheback_mlx.api import Session
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.reasoning import Reasoning
 from cacheback_mlx.server.anthropic import Blocks, Counted, MessagesRequest
@@ -16,11 +15,8 @@ import httpx
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from conftest import write_tiny_gguf
-from test_reasoning import TEMPLATE as THINK_TEMPLATE
 from test_reasoning import Thinks
-from test_server import serving
-from test_tool_calls import CALL, TOOLS_TEMPLATE, WEATHER, WritesACall
+from test_tool_calls import CALL, WEATHER, WritesACall
 
 pytestmark = pytest.mark.serial  # starts servers
 
@@ -128,17 +124,8 @@ def test_an_answer_s_blocks_however_its_text_is_cut():
         assert strip(rebuilt(events)) == strip(b.content) == strip(whole.content)
 
 
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "tools.gguf"
-    write_tiny_gguf(path, context=512, chat_template=TOOLS_TEMPLATE)
-    session = WritesACall(str(path), "ngram")
-    with serving(session, api_key="sekrit") as url:
-        yield session, url
-
-
-def test_claude_s_sdk_gets_the_model_s_tool_calls(tool_server):
-    session, url = tool_server
+def test_claude_s_sdk_gets_the_model_s_tool_calls(agent_server):
+    session, url = agent_server
     client = anthropic.Anthropic(base_url=url, api_key="sekrit")
     m = client.messages.create(model="local", max_tokens=64, messages=ASK, tools=[TOOL])
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
@@ -167,8 +154,8 @@ def test_claude_s_sdk_gets_the_model_s_tool_calls(tool_server):
     assert m.content[0].text == WritesACall.answer
 
 
-def test_bad_requests_are_4xx_in_anthropic_s_shape(tool_server):
-    _, url = tool_server
+def test_bad_requests_are_4xx_in_anthropic_s_shape(agent_server):
+    _, url = agent_server
     client = anthropic.Anthropic(base_url=url, api_key="sekrit")
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="wrong").messages.create(model="m", max_tokens=4, messages=ASK)
@@ -189,15 +176,6 @@ def test_bad_requests_are_4xx_in_anthropic_s_shape(tool_server):
         assert r.json()["type"] == "error" and r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("think") / "think.gguf"
-    write_tiny_gguf(path, context=512, chat_template=THINK_TEMPLATE, specials=("<think>", "</think>"))
-    session = Thinks(str(path), "ngram")
-    with serving(session) as url:
-        yield session, url
-
-
 def test_the_reasoning_comes_back_as_a_thinking_block(thinking_server):
     session, url = thinking_server
     client = anthropic.Anthropic(base_url=url, api_key="none")
@@ -214,14 +192,6 @@ def test_the_reasoning_comes_back_as_a_thinking_block(thinking_server):
     m = client.messages.create(model="m", max_tokens=32, messages=ask, thinking={"type": "disabled"})
     assert "<think>" not in session.tokenizer.decode(session.prompts[-1])
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == Thinks.answer
-
-
-@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
-def plain_server(tmp_path_factory, request):
-    path = tmp_path_factory.mktemp("plain") / "plain.gguf"
-    write_tiny_gguf(path, context=256, chat_template=THINK_TEMPLATE.replace("<think>\n", ""))
-    with serving(Session(str(path), "ngram"), parallel=request.param) as url:
-        yield url
 
 
 def test_the_answer_is_the_openai_route_s_and_says_why_it_stopped(plain_server):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import write_tiny_gguf
-from test_server import serving, sse_events
+from test_server import sse_events
 from test_tool_calls import WritesACall
 
 pytestmark = pytest.mark.serial  # starts servers
@@ -48,15 +48,6 @@ def test_text_splits_into_reasoning_and_content_however_it_is_cut(inside, text, 
 
 class Thinks(WritesACall):
     answer = "first, the colors</think>Red, blue and green."
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("think") / "think.gguf"
-    write_tiny_gguf(path, context=512, chat_template=TEMPLATE, specials=("<think>", "</think>"))
-    session = Thinks(str(path), "ngram")
-    with serving(session) as url:
-        yield session, url
 
 
 def test_openai_chat_gives_the_reasoning_apart(thinking_server):

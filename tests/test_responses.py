@@ -6,7 +6,6 @@ one-line 4xx."""
 import json
 import random
 
-from cacheback_mlx.api import Session
 from cacheback_mlx.errors import CachebackError
 from cacheback_mlx.reasoning import Reasoning
 from cacheback_mlx.server.responses import Items, ResponsesRequest
@@ -17,11 +16,8 @@ import openai
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from conftest import write_tiny_gguf
-from test_reasoning import TEMPLATE as THINK_TEMPLATE
 from test_reasoning import Thinks
-from test_server import serving
-from test_tool_calls import CALL, TOOLS_TEMPLATE, WEATHER, WritesACall
+from test_tool_calls import CALL, WEATHER, WritesACall
 
 pytestmark = pytest.mark.serial  # starts servers
 
@@ -101,17 +97,8 @@ def test_an_answer_s_items_however_its_text_is_cut():
         assert deltas == "I will look it up."
 
 
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "tools.gguf"
-    write_tiny_gguf(path, context=512, chat_template=TOOLS_TEMPLATE)
-    session = WritesACall(str(path), "ngram")
-    with serving(session, api_key="sekrit") as url:
-        yield session, url
-
-
-def test_openai_s_sdk_gets_the_model_s_function_calls(tool_server):
-    session, url = tool_server
+def test_openai_s_sdk_gets_the_model_s_function_calls(agent_server):
+    session, url = agent_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit")
     r = client.responses.create(model="local", input=ASK, tools=[TOOL], max_output_tokens=64)
     assert r.status == "completed" and [i.type for i in r.output] == ["message", "function_call"]
@@ -142,15 +129,6 @@ def test_openai_s_sdk_gets_the_model_s_function_calls(tool_server):
         assert 400 <= r.status_code < 500 and "\n" not in r.json()["error"]["message"], (body, r.text)
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("think") / "think.gguf"
-    write_tiny_gguf(path, context=512, chat_template=THINK_TEMPLATE, specials=("<think>", "</think>"))
-    session = Thinks(str(path), "ngram")
-    with serving(session) as url:
-        yield session, url
-
-
 def test_the_reasoning_comes_back_as_a_reasoning_item(thinking_server):
     session, url = thinking_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -164,14 +142,6 @@ def test_the_reasoning_comes_back_as_a_reasoning_item(thinking_server):
     r = client.responses.create(model="m", input="Three colors?", max_output_tokens=32, reasoning={"effort": "none"})
     assert "<think>" not in session.tokenizer.decode(session.prompts[-1])
     assert [i.type for i in r.output] == ["message"] and r.output_text == Thinks.answer
-
-
-@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "parallel-4"])
-def plain_server(tmp_path_factory, request):
-    path = tmp_path_factory.mktemp("plain") / "plain.gguf"
-    write_tiny_gguf(path, context=256, chat_template=THINK_TEMPLATE.replace("<think>\n", ""))
-    with serving(Session(str(path), "ngram"), parallel=request.param) as url:
-        yield url
 
 
 def test_the_answer_is_the_chat_route_s_and_says_when_it_was_cut(plain_server):
