@@ -12,6 +12,7 @@ from cacheback_mlx.server.tool_calls import ToolCalls
 
 import anthropic
 import httpx
+import openai
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
@@ -226,3 +227,10 @@ def test_a_prompt_too_long_is_refused_and_a_full_context_said(plain_server):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 160}],
                                                        "max_tokens": 200}, timeout=60).json()
     assert r["choices"][0]["finish_reason"] == "length"  # the OpenAI route: cut short, as llama.cpp says it
+
+
+def test_the_model_list_reads_in_both_sdks(agent_server):
+    _, url = agent_server
+    (model,) = anthropic.Anthropic(base_url=url, api_key="sekrit").models.list().data
+    assert model.type == "model" and model.id and model.display_name == model.id
+    assert [m.id for m in openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit").models.list().data] == [model.id]

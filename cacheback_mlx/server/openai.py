@@ -166,8 +166,12 @@ def router(ctx: Context) -> APIRouter:
 
     @api.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": ctx.model_id, "object": "model", "owned_by": "cacheback-mlx",
-                                            "created": 0, "meta": {"n_ctx_train": session.loaded.context_length}}]}
+        """OpenAI's list, with the fields Anthropic's model list has beside them (its clients ask here too)."""
+        model = {"id": ctx.model_id, "object": "model", "owned_by": "cacheback-mlx", "created": 0,
+                 "meta": {"n_ctx_train": session.loaded.context_length},
+                 "type": "model", "display_name": ctx.model_id, "created_at": "1970-01-01T00:00:00Z"}
+        return {"object": "list", "data": [model], "has_more": False, "first_id": ctx.model_id,
+                "last_id": ctx.model_id}
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
