@@ -596,3 +596,27 @@ def test_t_max_predict_ms_waits_for_the_first_line_as_llama_cpp(pieces, text):
     job = Job([1, 2, 3], 100, Sampling(), t_max_predict_ms=250)
     assert "".join(gen.steps(job)) == text and job.stop_type == "limit"
     gen.worker.shutdown()
+
+
+def test_metrics_count_every_generation_in_prometheus_s_format(tiny_server):
+    def metrics() -> dict:
+        r = httpx.get(f"{tiny_server}/metrics", headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        lines = r.text.splitlines()
+        assert all(line.startswith("# ") or len(line.split()) == 2 for line in lines)
+        return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
+
+    assert httpx.get(f"{tiny_server}/metrics").status_code == 401
+    before = metrics()
+    runs = [httpx.post(f"{tiny_server}/completion", json={"prompt": f"def f{i}(x):", "n_predict": 12}, headers=AUTH,
+                       timeout=60).json()["timings"] for i in range(3)]
+    after = metrics()
+    gained = lambda name: after[name] - before[name]  # noqa: E731
+    assert gained("llamacpp:tokens_predicted_total") == sum(t["predicted_n"] for t in runs) > 0
+    assert gained("llamacpp:prompt_tokens_total") == sum(t["prompt_n"] for t in runs)
+    assert gained("llamacpp:n_decode_total") == sum(t["passes"] for t in runs)
+    assert gained("llamacpp:spec_decode_num_draft_tokens_total") == sum(t["draft_n"] for t in runs)
+    assert gained("llamacpp:spec_decode_num_accepted_tokens_total") == sum(t["draft_n_accepted"] for t in runs)
+    assert gained("cacheback_mlx:requests_total") == 3 and after["llamacpp:requests_deferred"] == 0
+    assert after["cacheback_mlx:tokens_per_pass"] == after["llamacpp:tokens_predicted_total"] / after[
+        "llamacpp:n_decode_total"]

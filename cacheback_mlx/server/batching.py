@@ -100,7 +100,7 @@ class BatchRunner:
                 return  # the client went away, or the server is stopping
             if out is None:  # a warm-up: prefill only
                 job.stop_type = "limit"
-                job.timings = gen.timings(job, prefill_only=True, stats=stats)
+                gen.finished(job, prefill_only=True, stats=stats)
                 job.slot = entry.lane or 0
                 return
             if not ended:
@@ -108,7 +108,7 @@ class BatchRunner:
                 new, ended = out.add(detok.last_segment, stats.decode_s)
             rest = out.finish(ended, stats.tokens, gen.session.loaded.context_length)
             job.slot = lane.index if lane is not None else 0
-            job.timings = gen.timings(job, stats=stats)
+            gen.finished(job, stats=stats)
             if rest:
                 yield rest
         finally:

@@ -35,6 +35,7 @@ from ..sampling import SamplingParams
 from .batching import BatchRunner
 from .fields import Sampling
 from .logprobs import TokenLog, token_entries
+from .metrics import Metrics
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -192,6 +193,7 @@ class Generator:
         self.last_request = time.monotonic()
         self.waiting = 0  # requests waiting for `turn`
         self.stopping = threading.Event()  # the server is shutting down: every job ends at its next step
+        self.metrics = Metrics()  # totals over every job (/metrics)
 
     async def measure_when_idle(self) -> None:
         """Measure the model's pass costs in the server's idle time (api.Session.measure_step):
@@ -256,7 +258,8 @@ class Generator:
         engine = self.session.engine
         if job.max_tokens == 0:
             engine.prefill_only(job.ids, job.context, stop=stop)
-            job.stop_type, job.timings, job.slot = "limit", self.timings(job, prefill_only=True), engine.slots.active
+            job.stop_type, job.slot = "limit", engine.slots.active
+            self.finished(job, prefill_only=True)
             return
         out = TextOut(job)
         pieces = self.session.stream_ids(job.ids, job.max_tokens, self.params(job, offset), job.context, stop=stop)
@@ -273,9 +276,14 @@ class Generator:
             pieces.close()
         rest = out.finish(ended, self.session.stats.tokens, self.session.loaded.context_length)
         job.slot = engine.slots.active
-        job.timings = self.timings(job)
+        self.finished(job)
         if rest:
             yield rest
+
+    def finished(self, job: Job, prefill_only: bool = False, stats=None) -> None:
+        """A job's generation is over: its timings, counted in the server's metrics."""
+        job.timings = self.timings(job, prefill_only, stats)
+        self.metrics.add(job.timings)
 
     def timings(self, job: Job, prefill_only: bool = False, stats=None) -> dict:
         """llama.cpp's timings (prompt_n: prompt tokens computed; cache_n: reused), plus drafting,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import Field
 
 from ..fim import CompletionRules
@@ -102,6 +102,13 @@ def router(ctx: Context) -> APIRouter:
     def health():
         return {"status": "ok", "model": ctx.model_id, "drafter": session.drafter_name,
                 "requests_waiting": gen.requests_waiting, "busy": gen.busy}
+
+    @api.get("/metrics")
+    def metrics():
+        """Prometheus's text format (metrics.py)."""
+        processing = gen.runner.active if gen.runner is not None else int(gen.turn.locked())
+        return PlainTextResponse(gen.metrics.text(processing, gen.requests_waiting),
+                                 media_type="text/plain; version=0.0.4")
 
     @api.get("/props")
     def props():
