@@ -181,19 +181,25 @@ class Session:
             chat = has_template or not isinstance(prompt, str)
         if not chat:
             return list(self.tokenizer.encode(prompt))
-        if not has_template:
-            raise CachebackError(f"model {self.loaded.name} has no chat template; use raw mode")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return list(self.tokenizer.encode(self.chat_text(messages, system, tools, template_args),
+                                          add_special_tokens=False))
+
+    def chat_text(self, messages: Sequence[dict], system: str | None = None, tools: Sequence[dict] | None = None,
+                  template_args: dict | None = None) -> str:
+        """The chat template's prompt for `messages`, as text (encode's arguments)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise CachebackError(f"model {self.loaded.name} has no chat template; use raw mode")
+        messages = list(messages)
         if system is not None and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}] + messages
         if not messages:
             raise CachebackError("empty prompt")
         extra = dict(template_args or {}) | ({"tools": list(tools)} if tools else {})
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except (TemplateError, TypeError, ValueError) as e:  # its own checks (roles out of order), or
             raise CachebackError(f"chat template: {e}") from None  # values it cannot render
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def fit(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], bool]:
         """The prompt cut from the left to fit the context (truncate_left; a leading BOS stays),

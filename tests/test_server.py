@@ -620,3 +620,20 @@ def test_metrics_count_every_generation_in_prometheus_s_format(tiny_server):
     assert gained("cacheback_mlx:requests_total") == 3 and after["llamacpp:requests_deferred"] == 0
     assert after["cacheback_mlx:tokens_per_pass"] == after["llamacpp:tokens_predicted_total"] / after[
         "llamacpp:n_decode_total"]
+
+
+def test_tokenize_detokenize_and_the_template_as_llama_cpp_answers_them(tiny_server):
+    post = lambda path, body: httpx.post(f"{tiny_server}{path}", json=body, headers=AUTH, timeout=30)  # noqa: E731
+    text = "def café():"
+    ids = post("/tokenize", {"content": text}).json()["tokens"]
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert post("/detokenize", {"tokens": ids}).json() == {"content": text}
+    pieces = post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) == (
+        text.encode())  # parts of a character as bytes, the rest as text
+    assert any(isinstance(p["piece"], list) for p in pieces)  # this tokenizer spells "é" in two tokens
+    assert post("/detokenize", {"tokens": [10 ** 9]}).status_code == 400
+    r = post("/apply-template", {"messages": [{"role": "user", "content": "hi there"}]})  # (exactly: test_tool_calls)
+    assert r.status_code == 200 and "hi there" in r.json()["prompt"]
+    assert post("/apply-template", {"messages": []}).status_code == 400

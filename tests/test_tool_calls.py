@@ -186,6 +186,8 @@ def test_a_call_after_the_reasoning_leaves_no_blank_content(tool_model):
 
 def test_a_conversation_with_calls_and_their_results_reaches_the_template(tool_server):
     session, url = tool_server
+    r = httpx.post(f"{url}/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.json() == {"prompt": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"}  # llama.cpp's route
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function",

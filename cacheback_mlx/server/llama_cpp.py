@@ -1,4 +1,5 @@
-"""llama.cpp's protocol: /health, /infill and /completion (llama.vim, llama.vscode, Continue, Tabby).
+"""llama.cpp's protocol: /health, /infill and /completion (llama.vim, llama.vscode, Continue, Tabby),
+and its /tokenize, /detokenize, /apply-template, /props and /metrics.
 
 Fields as llama.cpp reads them (tools/server/README.md): n_predict (-1: until EOS), n_indent,
 t_max_predict_ms (once a line is complete, stop when generation has taken that long),
@@ -25,7 +26,7 @@ from pydantic import Field
 from ..fim import CompletionRules
 from .core import Context, Job, encode_text, error
 from .fields import TOKEN_LIMIT, Lenient, Sampling
-from .logprobs import llama_cpp
+from .logprobs import llama_cpp, token_bytes
 
 
 class Chunk(Lenient):
@@ -50,6 +51,20 @@ class InfillRequest(LlamaParams):
 
 class CompletionRequest(LlamaParams):
     prompt: str | list[int]
+
+
+class TokenizeRequest(Lenient):
+    content: str = ""
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Lenient):
+    tokens: list[int] = []
+
+
+class TemplateRequest(Lenient):
+    messages: list[dict[str, Any]] = Field(min_length=1)
 
 
 def pick_fields(result: dict, fields: list[str] | None) -> dict:
@@ -102,6 +117,35 @@ def router(ctx: Context) -> APIRouter:
     def health():
         return {"status": "ok", "model": ctx.model_id, "drafter": session.drafter_name,
                 "requests_waiting": gen.requests_waiting, "busy": gen.busy}
+
+    @api.post("/tokenize")
+    def tokenize(req: TokenizeRequest):
+        """Token ids of `content` (special tokens' text read as those tokens); `with_pieces`: each
+        with the text it adds (its bytes as a list where they are not whole characters)."""
+        ids = session.tokenizer.encode(req.content, add_special_tokens=req.add_special)
+        if not req.with_pieces:
+            return {"tokens": ids}
+        piece = token_bytes(session.tokenizer)
+
+        def text(raw: bytes) -> str | list[int]:
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return list(raw)
+
+        return {"tokens": [{"id": i, "piece": text(piece(i))} for i in ids]}
+
+    @api.post("/detokenize")
+    def detokenize(req: DetokenizeRequest):
+        vocab = session.engine.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            return error(400, f"tokens: ids must be in [0, {vocab})")
+        return {"content": session.tokenizer.decode(req.tokens)}
+
+    @api.post("/apply-template")
+    def apply_template(req: TemplateRequest):
+        """The chat template's prompt for `messages`, as text."""
+        return {"prompt": session.chat_text(req.messages)}
 
     @api.get("/metrics")
     def metrics():
