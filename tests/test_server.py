@@ -99,6 +99,20 @@ def test_health_models_and_api_key(tiny_server):
     r = httpx.get(f"{tiny_server}/v1/models")
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(f"{tiny_server}/v1/models", headers=AUTH).json()["data"][0]["object"] == "model"
+    assert httpx.get(f"{tiny_server}/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200  # Anthropic's
+    for wrong in ({"x-api-key": "nope"}, {"Authorization": "sekrit"}, {"Authorization": "Bearer None"}):
+        assert httpx.get(f"{tiny_server}/v1/models", headers=wrong).status_code == 401
+
+
+def test_an_api_key_is_compared_as_given(tmp_path):
+    from cacheback_mlx.server import create_app
+
+    from starlette.testclient import TestClient
+
+    write_tiny_gguf(tmp_path / "t.gguf")
+    with TestClient(create_app(Session(str(tmp_path / "t.gguf"), "none"), api_key="None")) as client:
+        assert client.get("/v1/models").status_code == 401  # a missing key is no key named "None"
+        assert client.get("/v1/models", headers={"x-api-key": "None"}).status_code == 200
 
 
 def test_infill_exactly_as_llama_vim_sends_it(tiny_server):

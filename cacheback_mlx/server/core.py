@@ -47,8 +47,9 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 class BodyGuard:
     """ASGI middleware: bodies over max_body bytes get a 413 whether or not they say their length
     (chunked uploads are counted as they arrive), and a wrong API key a 401 (the key comes as
-    `Authorization: Bearer KEY`, or as Anthropic's clients send it, `x-api-key: KEY`). A body is JSON whatever
-    its Content-Type says, as llama.cpp and Ollama read it (`curl -d '{...}'` sends it as a form)."""
+    `Authorization: Bearer KEY`, or as Anthropic's clients send it, `x-api-key: KEY`). A body is
+    JSON whatever its Content-Type says, as llama.cpp and Ollama read it (`curl -d '{...}'` sends it
+    as a form)."""
 
     def __init__(self, app, max_body: int, api_key: str | None):
         self.app, self.max_body, self.api_key = app, max_body, api_key
@@ -60,8 +61,8 @@ class BodyGuard:
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > self.max_body):
             return await error(413, f"request body over {self.max_body} bytes")(scope, receive, send)
-        keys = (headers.get("authorization"), f"Bearer {headers.get('x-api-key')}")
-        if self.api_key and scope["path"] not in ("/health", "/") and f"Bearer {self.api_key}" not in keys:
+        given = headers.get("authorization") == f"Bearer {self.api_key}" or headers.get("x-api-key") == self.api_key
+        if self.api_key and scope["path"] not in ("/health", "/") and not given:
             return await error(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                                "authentication_error")(scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
