@@ -219,7 +219,7 @@ def test_the_answer_is_the_openai_route_s_and_says_why_it_stopped(plain_server):
 def test_a_prompt_too_long_is_refused_and_a_full_context_said(plain_server):
     url = plain_server
     client = anthropic.Anthropic(base_url=url, api_key="none")
-    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):  # never cut (Claude Code compacts)
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):  # never cut from the left
         client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "x" * 300}])
     m = client.messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": "y" * 160}])
     assert m.stop_reason == "model_context_window_exceeded"

@@ -255,7 +255,7 @@ def router(ctx: Context) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request):
         ids, tools = encode(req)
         fitted, cut = session.fit(ids, req.max_tokens)
-        if cut:  # as Anthropic's API answers (clients such as Claude Code then compact the conversation)
+        if cut:  # as Anthropic's API answers it, so that a client can shorten the conversation itself
             raise CachebackError(f"prompt is too long: {len(ids)} tokens > {len(fitted)} maximum (the model's "
                                  f"context of {session.loaded.context_length} tokens, less room for the reply)")
         job = Job(ids, req.max_tokens, req)
