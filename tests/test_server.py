@@ -651,3 +651,32 @@ def test_tokenize_detokenize_and_the_template_as_llama_cpp_answers_them(tiny_ser
     r = post("/apply-template", {"messages": [{"role": "user", "content": "hi there"}]})  # (exactly: test_tool_calls)
     assert r.status_code == 200 and "hi there" in r.json()["prompt"]
     assert post("/apply-template", {"messages": []}).status_code == 400
+
+
+class FailsMidway(Session):
+    """A model that fails after its first piece, once the response has started."""
+
+    def stream_ids(self, prompt_ids, max_tokens=256, sampling=None, context=(), truncate=False, stop=None):
+        for _ in super().stream_ids(prompt_ids, 1, sampling, context, truncate, stop):
+            pass
+        yield "Hello", []
+        raise RuntimeError("the device went away")
+
+
+def test_a_failure_after_the_stream_started_comes_in_each_protocol_s_own_framing(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf", context=256)
+    ask = [{"role": "user", "content": "hi"}]
+    with serving(FailsMidway(str(tmp_path / "t.gguf"), "none")) as url:
+        post = lambda path, body: httpx.post(f"{url}{path}", json=body | {"stream": True}, timeout=60).text  # noqa: E731
+        lines = post("/v1/chat/completions", {"messages": ask}).splitlines()
+        assert [json.loads(x[5:])["error"]["message"] for x in lines if x.startswith("data: {\"error\"")] == [
+            "the device went away"] and lines[-2:] == ["data: [DONE]", ""]
+        last = json.loads(post("/api/chat", {"messages": ask}).splitlines()[-1])
+        assert last == {"error": "the device went away"}  # Ollama's NDJSON
+        text = post("/v1/messages", {"messages": ask, "max_tokens": 8})
+        assert text.startswith("event: message_start") and "event: error\ndata: " in text
+        error = json.loads(text.split("event: error\ndata: ")[1].split("\n")[0])
+        assert error == {"type": "error", "error": {"type": "api_error", "message": "the device went away"}}
+        events = [x for x in post("/v1/responses", {"input": "hi"}).split("\n\n") if x]
+        (error,) = [json.loads(x.split("data: ")[1]) for x in events if x.startswith("event: error")]
+        assert error["message"] == "the device went away" and error["sequence_number"] == len(events) - 1

@@ -280,11 +280,8 @@ def router(ctx: Context) -> APIRouter:
         async def events():
             start = head | {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(job, False)}
             yield _sse({"type": "message_start", "message": start})
-            async for raw in gen.stream(request, job, event, done_marker=False):
-                for line in raw.splitlines():
-                    if line.startswith("data:"):
-                        for out in _as_events(json.loads(line[5:])):
-                            yield _sse(out)
+            async for text in gen.stream(request, job, event, done_marker=False, frame=_sse):
+                yield text
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -296,15 +293,10 @@ def router(ctx: Context) -> APIRouter:
     return api
 
 
-def _as_events(data: Any) -> list[dict]:
-    """The core stream's data (a list of events, or its error) as Anthropic's events."""
-    if isinstance(data, dict) and "error" in data and "type" not in data:
-        err = data["error"] if isinstance(data["error"], dict) else {"message": str(data["error"])}
-        kind = "invalid_request_error" if err.get("code") == 400 else "api_error"
-        return [{"type": "error", "error": {"type": kind, "message": err.get("message", "")}}]
-    return data if isinstance(data, list) else [data]
-
-
 def _sse(event: dict) -> str:
+    """One event, named on its `event:` line as Anthropic's SDKs read it (the core's failure too)."""
+    if "error" in event and "type" not in event:
+        err = event["error"]
+        kind = "invalid_request_error" if err.get("code") == 400 else "api_error"
+        event = {"type": "error", "error": {"type": kind, "message": err.get("message", "")}}
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-

@@ -383,23 +383,26 @@ class Generator:
         return runs
 
     async def stream(self, request: Request, job: Job, event: Callable[[str, bool], dict | list[dict]],
-                     done_marker: bool) -> AsyncIterator[str]:
-        """Server-sent events: one per piece, the last with done=True (`event` may make several of
-        it); ends on disconnect."""
+                     done_marker: bool, frame: Callable[[dict], str] | None = None) -> AsyncIterator[str]:
+        """A stream's text: `event` makes one object or several of each piece, the last with
+        done=True; `frame` writes each object out (default: a server-sent event's data line; a
+        protocol's own framing: named events, NDJSON). A failure after the response started comes
+        as an object {"error": {"code", "message", "type"}}. Ends on disconnect."""
+        frame = frame or (lambda obj: f"data: {json.dumps(obj)}\n\n")
+        each = lambda out: out if isinstance(out, list) else [out]  # noqa: E731
         try:
             async with aclosing(self.pieces(request, job)) as pieces:
                 async for piece in pieces:
                     if piece:
-                        yield f"data: {json.dumps(event(piece, False))}\n\n"
+                        for out in each(event(piece, False)):
+                            yield frame(out)
             if job.timings and not await request.is_disconnected():
-                last = event('', True)
-                for out in last if isinstance(last, list) else [last]:
-                    yield f"data: {json.dumps(out)}\n\n"
+                for out in each(event("", True)):
+                    yield frame(out)
         except CachebackError as e:
-            yield (f"data: {json.dumps({'error': {'code': 400, 'message': str(e), 'type': 'invalid_request_error'}})}"
-                   "\n\n")
+            yield frame({"error": {"code": 400, "message": str(e), "type": "invalid_request_error"}})
         except Exception as e:  # the response has started: report in the stream, then end it
-            yield f"data: {json.dumps({'error': {'code': 500, 'message': str(e), 'type': 'server_error'}})}\n\n"
+            yield frame({"error": {"code": 500, "message": str(e), "type": "server_error"}})
         if done_marker:
             yield "data: [DONE]\n\n"
 

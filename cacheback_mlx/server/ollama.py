@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from contextlib import aclosing
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -197,18 +196,11 @@ def router(ctx: Context) -> APIRouter:
                "eval_duration": int(1e6 * t.get("predicted_ms", 0.0))}
         return out if fim is None else out | {"fim": fim}
 
-    async def ndjson(request: Request, job: Job, line):
-        """The core's server-sent events as NDJSON lines (errors as Ollama's {"error": "..."})."""
-        async with aclosing(ctx.gen.stream(request, job, line, done_marker=False)) as events:
-            async for event in events:
-                for raw in event.splitlines():
-                    data = raw[5:].strip() if raw.startswith("data:") else ""
-                    if not data or data == "[DONE]":
-                        continue
-                    if data.startswith('{"error"'):
-                        err = json.loads(data)["error"]
-                        data = json.dumps({"error": err.get("message", "") if isinstance(err, dict) else str(err)})
-                    yield data + "\n"
+    def ndjson(obj: dict) -> str:
+        """The core stream's objects as NDJSON lines (errors as Ollama's {"error": "..."})."""
+        if "error" in obj and isinstance(obj["error"], dict):
+            obj = {"error": obj["error"].get("message", "")}
+        return json.dumps(obj) + "\n"
 
     async def answer(request: Request, req: OllamaRequest, job: Job, started: int, chat: bool, fim: bool | None = None,
                      tools: list[dict] | None = None, thinks: bool = False):
@@ -235,7 +227,8 @@ def router(ctx: Context) -> APIRouter:
             return out | final(job, started, fim) if done else out | {"done": False}
 
         if req.stream:
-            return StreamingResponse(ndjson(request, job, line), media_type="application/x-ndjson")
+            return StreamingResponse(ctx.gen.stream(request, job, line, done_marker=False, frame=ndjson),
+                                     media_type="application/x-ndjson")
         runs = await ctx.gen.complete(request, job)
         if not runs:  # the client went away
             return JSONResponse({})

@@ -19,6 +19,7 @@ cut. Decoding is greedy unless the request gives a `temperature`, as on every ro
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -273,32 +274,23 @@ def router(ctx: Context) -> APIRouter:
                 out.append({"type": f"response.{final['status']}", "response": final})
             return out
 
+        numbered = itertools.count()
+
+        def frame(event: dict) -> str:
+            """One event, numbered and named on its `event:` line (the core's failure as an error event)."""
+            if "error" in event and "type" not in event:
+                err = event["error"]
+                event = {"type": "error", "code": str(err.get("code", "")), "message": err.get("message", ""),
+                         "param": None}
+            event = event | {"sequence_number": next(numbered)}
+            return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
         async def events():
-            number = 0
-            for first in ({"type": "response.created", "response": whole("in_progress")},
-                          {"type": "response.in_progress", "response": whole("in_progress")}):
-                yield _sse(first, number)
-                number += 1
-            async for raw in gen.stream(request, job, event, done_marker=False):
-                for line in raw.splitlines():
-                    if line.startswith("data:"):
-                        for out in _as_events(json.loads(line[5:])):
-                            yield _sse(out, number)
-                            number += 1
+            yield frame({"type": "response.created", "response": whole("in_progress")})
+            yield frame({"type": "response.in_progress", "response": whole("in_progress")})
+            async for text in gen.stream(request, job, event, done_marker=False, frame=frame):
+                yield text
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return api
-
-
-def _as_events(data: Any) -> list[dict]:
-    """The core stream's data (a list of events, or its error) as the protocol's events."""
-    if isinstance(data, dict) and "error" in data and "type" not in data:
-        err = data["error"] if isinstance(data["error"], dict) else {"message": str(data["error"])}
-        return [{"type": "error", "code": str(err.get("code", "")), "message": err.get("message", ""), "param": None}]
-    return data if isinstance(data, list) else [data]
-
-
-def _sse(event: dict, number: int) -> str:
-    event = event | {"sequence_number": number}
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
