@@ -155,6 +155,30 @@ def test_claude_s_sdk_gets_the_model_s_tool_calls(agent_server):
     assert m.content[0].text == WritesACall.answer
 
 
+def test_a_picture_a_tool_read_is_a_line_saying_so_and_the_conversation_goes_on(agent_server):
+    """An agent's tool that read a picture or a PDF returns it in its tool_result: the model reads
+    text only, so each is a line saying it is not shown (the conversation carries it on, and a 400
+    would end every later turn too); a picture the user sends is still refused."""
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}}
+    asked = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}]}
+    read = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                         "content": [{"type": "text", "text": "shot.png:"}, picture, pdf]}]}
+    assert as_openai([*ASK, asked, read])[-1] == {
+        "role": "tool", "tool_call_id": "toolu_1", "name": "read",
+        "content": "shot.png:\n[an image, not shown: this model reads text only]\n"
+                   "[a document, not shown: this model reads text only]"}
+    session, url = agent_server
+    client = anthropic.Anthropic(base_url=url, api_key="sekrit")
+    read["content"][0]["content"] = [picture]  # (a tiny model's context: one byte a token)
+    m = client.messages.create(model="local", max_tokens=16, messages=[*ASK, asked, read])
+    assert m.content and m.stop_reason in ("end_turn", "max_tokens")
+    assert "[an image, not shown: this model reads text only]" in session.tokenizer.decode(session.prompts[-1])
+    for where in ([{"role": "user", "content": [picture]}], [{"role": "user", "content": [pdf]}]):
+        with pytest.raises(CachebackError, match="blocks are not supported"):
+            as_openai(where)
+
+
 def test_bad_requests_are_4xx_in_anthropic_s_shape(agent_server):
     _, url = agent_server
     client = anthropic.Anthropic(base_url=url, api_key="sekrit")

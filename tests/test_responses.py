@@ -53,6 +53,22 @@ def test_input_items_become_the_template_s_messages():
     assert ResponsesRequest(input="hi").plain() == [{"role": "user", "content": "hi"}]
 
 
+def test_a_picture_in_a_function_s_output_is_a_line_saying_so():
+    """A function's output may hold a picture or a file (an agent's tool read one): the model reads
+    text only, so each is a line saying it is not shown and the conversation goes on; one the user
+    sends is still refused."""
+    req = ResponsesRequest(input=[
+        {"type": "function_call", "call_id": "call_1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": [
+            {"type": "input_text", "text": "shot.png:"}, {"type": "input_image", "image_url": "data:,"},
+            {"type": "input_file", "file_data": "AA=="}]}])
+    assert req.plain()[-1] == {"role": "tool", "tool_call_id": "call_1", "name": "read",
+                               "content": "shot.png:\n[an image, not shown: this model reads text only]\n"
+                                          "[a file, not shown: this model reads text only]"}
+    with pytest.raises(CachebackError, match="input_file"):
+        ResponsesRequest(input=[{"role": "user", "content": [{"type": "input_file", "file_data": "AA=="}]}]).plain()
+
+
 @pytest.mark.parametrize("body, words", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),

@@ -13,7 +13,8 @@ context is refused ("prompt is too long", as Anthropic's API says it), never cut
 fills the context stops with "model_context_window_exceeded". `thinking` {"type": "enabled"} or
 {"type": "disabled"} reaches the template as `enable_thinking`; `output_config.format` (a JSON
 schema) keeps the answer to it (constrained.py). Images and documents are refused with a 400: the
-models here read text.
+models here read text; inside a tool_result (an agent's tool that read a picture or a PDF) each is a
+line saying so, so the conversation, which carries it on, can go on.
 Sampling defaults to greedy decoding, as on every route of this server (give `temperature`).
 Errors have Anthropic's shape ({"type": "error", "error": {"type", "message"}}), which the other
 protocols' clients read too.
@@ -128,7 +129,8 @@ class Counted(Sampling):
                     calls.append({"id": b.id, "type": "function",
                                   "function": {"name": b.name, "arguments": b.input or {}}})
                 elif b.type == "tool_result" and m.role == "user":
-                    result = b.content if isinstance(b.content, str) else "\n".join(_text(c) for c in b.content or [])
+                    result = (b.content if isinstance(b.content, str)
+                              else "\n".join(_text(c, NOT_READ) for c in b.content or []))
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result}
                                | ({"name": names[b.tool_use_id]} if b.tool_use_id in names else {}))
                     if b.is_error and not result.startswith("Error"):
@@ -167,8 +169,15 @@ class MessagesRequest(Counted):
         return self
 
 
-def _text(block: Block) -> str:
+# what a tool's result says in place of a picture or a document, for a model that reads text only
+NOT_READ = {"image": "[an image, not shown: this model reads text only]",
+            "document": "[a document, not shown: this model reads text only]"}
+
+
+def _text(block: Block, instead: dict[str, str] | None = None) -> str:
     if block.type != "text":
+        if block.type in (instead or {}):
+            return instead[block.type]
         raise CachebackError(_refused(block.type, "a system prompt or a tool result"))
     return block.text or ""
 

@@ -12,8 +12,9 @@ added and done, text and arguments deltas, response.completed or response.incomp
 numbered and named on its `event:` line. `text.format` (json_object, json_schema) keeps the answer
 to it (constrained.py); `reasoning.effort` reaches the template (`reasoning_effort`, and
 `enable_thinking` false for "none" or "minimal"). Refused with a one-line 400: stored state
-(`previous_response_id`, item references), images and files, tools other than functions, a call
-the model must make. A prompt that leaves the reply too little of the context is refused, never
+(`previous_response_id`, item references), images and files (in a function's output each is a
+line saying it is not shown, so an agent's conversation can go on), tools other than functions, a
+call the model must make. A prompt that leaves the reply too little of the context is refused, never
 cut. Decoding is greedy unless the request gives a `temperature`, as on every route here.
 """
 
@@ -124,7 +125,7 @@ class ResponsesRequest(Sampling):
                     out.append({"role": "assistant", "content": ""})
                 out[-1].setdefault("tool_calls", []).append(call)
             elif kind == "function_call_output" and item.call_id:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, NOT_READ)}
                            | ({"name": names[item.call_id]} if item.call_id in names else {}))
             elif kind == "reasoning":
                 continue  # earlier turns' reasoning: chat templates leave it out
@@ -136,13 +137,19 @@ class ResponsesRequest(Sampling):
         return out
 
 
-def _text(content: str | list[Part] | None) -> str:
+# what a function's output says in place of a picture or a file, for a model that reads text only
+NOT_READ = {"input_image": "[an image, not shown: this model reads text only]",
+            "input_file": "[a file, not shown: this model reads text only]"}
+
+
+def _text(content: str | list[Part] | None, instead: dict[str, str] | None = None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     for p in content:
-        if p.type not in TEXT_PARTS:
+        if p.type not in TEXT_PARTS and p.type not in (instead or {}):
             raise CachebackError(f"content part {p.type!r} is not supported: this server's models read text only")
-    return "".join(p.text or "" for p in content)
+    parts = [(p.text or "") if p.type in TEXT_PARTS else instead[p.type] for p in content]
+    return "".join(parts) if all(p.type in TEXT_PARTS for p in content) else "\n".join(x for x in parts if x)
 
 
 class Items:
