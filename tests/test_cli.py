@@ -13,6 +13,17 @@ def cli(*args, stdin=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def cli_here(*args):
+    """The command run in this process (click's runner), as cli() returns it: for more bad inputs
+    after a first one ran in a process of its own, which would only add its start-up."""
+    from cacheback_mlx.cli import main
+
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(main, list(args))
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 def assert_one_line_error(result, *needles):
     assert result.returncode == 1, (result.returncode, result.stderr)
     err = result.stderr.strip()
@@ -44,7 +55,7 @@ def test_corrupt_and_non_gguf(tmp_path):
     assert_one_line_error(cli("generate", "hi", "--model", str(bad)), "cannot read GGUF")
     txt = tmp_path / "notes.gguf"
     txt.write_text("not a model")
-    assert_one_line_error(cli("generate", "hi", "--model", str(txt)), "not a GGUF")
+    assert_one_line_error(cli_here("generate", "hi", "--model", str(txt)), "not a GGUF")
 
 
 def test_unsupported_architecture(tmp_path):
@@ -58,15 +69,15 @@ def test_unknown_drafter_lists_known_ones(tiny_gguf):
 
 def test_empty_prompt_bad_max_tokens_and_long_prompt(tiny_gguf):
     assert_one_line_error(cli("generate", "   ", "--model", tiny_gguf, "--raw"), "empty prompt")
-    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--max-tokens", "0"), "max_tokens")
-    assert_one_line_error(cli("generate", "x" * 200, "--model", tiny_gguf, "--raw"), "context")
+    assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--max-tokens", "0"), "max_tokens")
+    assert_one_line_error(cli_here("generate", "x" * 200, "--model", tiny_gguf, "--raw"), "context")
 
 
 def test_bad_drafter_arg(tiny_gguf):
     assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "oops"),
                           "KEY=VALUE")
-    assert_one_line_error(cli("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg", "nope=1"),
-                          "ngram")
+    assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--drafter", "ngram", "--drafter-arg",
+                                   "nope=1"), "ngram")
 
 
 def test_prompt_from_stdin(tiny_gguf):
@@ -258,8 +269,9 @@ def test_serve_refuses_fewer_than_one_slot_before_loading_anything():
 
 
 def test_an_unreadable_scores_file_for_auto(tmp_path):
-    bad = tmp_path / "scores.json.gz"
-    bad.write_bytes(b"not gzip")
-    for path in (bad, tmp_path / "missing.json.gz"):
-        assert_one_line_error(cli("generate", "hi", "--max-tokens", "2", "--drafter-arg", f"scores={path}"),
-                              "cannot read scores", str(path))
+    missing, bad = tmp_path / "missing.json.gz", tmp_path / "scores.json.gz"
+    assert_one_line_error(cli("generate", "hi", "--max-tokens", "2", "--drafter-arg", f"scores={missing}"),
+                          "cannot read scores", str(missing))
+    bad.write_bytes(b"not gzip")  # the same path in this process (a process of its own only adds its start-up)
+    assert_one_line_error(cli_here("generate", "hi", "--max-tokens", "2", "--drafter-arg", f"scores={bad}"),
+                          "cannot read scores", str(bad))

@@ -382,13 +382,15 @@ def test_a_second_turn_after_drafts_past_the_token_limit_is_lossless_on_the_defa
         assert engines[0].stats.prefill_tokens == engines[1].stats.prefill_tokens
 
 
-def test_penalties_and_biases_are_lossless_on_the_default_model(default_model, plain_outputs):
+@pytest.mark.parametrize("mode", ["raw", pytest.param("chat", marks=pytest.mark.long)])
+def test_penalties_and_biases_are_lossless_on_the_default_model(mode, default_model, plain_outputs):
     """A repetition penalty, presence and frequency penalties and a logit bias (mlx-lm's processors):
-    auto's output equals mlx-lm's generate_step with the same processors, and differs from without."""
+    auto's output equals mlx-lm's generate_step with the same processors, and differs from without
+    (the code prompt always, the chat one too with -m long: test_penalties.py covers the families)."""
     from cacheback_mlx.sampling import SamplingParams, penalties
 
     processors = penalties(repetition=1.3, presence=0.3, frequency=0.2, window=64, logit_bias={482: 1.5})
-    for mode, (ids, plain) in plain_outputs.items():
+    for ids, plain in [plain_outputs[mode]]:
         truth = [int(t) for t, _ in generate_step(mx.array(ids), default_model.model, max_tokens=N,
                                                   logits_processors=list(processors))]
         eng = Engine(default_model.model, [], make_drafter("auto", persist=False), default_model.context_length)

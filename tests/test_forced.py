@@ -131,7 +131,7 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
     import json
 
     from conftest import write_tiny_gguf
-    from test_cli import assert_one_line_error, cli
+    from test_cli import assert_one_line_error, cli, cli_here
 
     model = str(tmp_path / "t.gguf")
     write_tiny_gguf(model, context=512)
@@ -155,11 +155,11 @@ def test_bench_record_then_forced_from_the_command_line(tmp_path):
     streams["fingerprint"] = "another"
     (rec / "streams.json").write_text(json.dumps(streams))
     assert_one_line_error(cli("bench", "--model", model, "--forced", str(rec)), "another tokenizer")
-    assert_one_line_error(cli("bench", "--model", model, "--forced", str(tmp_path)), "cannot read")
-    assert_one_line_error(cli("bench", "--model", model, "--forced", str(rec), "--record", str(tmp_path / "x")),
+    assert_one_line_error(cli_here("bench", "--model", model, "--forced", str(tmp_path)), "cannot read")
+    assert_one_line_error(cli_here("bench", "--model", model, "--forced", str(rec), "--record", str(tmp_path / "x")),
                           "do not go together")
-    assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "a,b"), "--contexts")
-    assert_one_line_error(cli("bench", "--model", model, "--verify-cost", "--contexts", "100000"), "--contexts")
+    assert_one_line_error(cli_here("bench", "--model", model, "--verify-cost", "--contexts", "a,b"), "--contexts")
+    assert_one_line_error(cli_here("bench", "--model", model, "--verify-cost", "--contexts", "100000"), "--contexts")
 
 
 @pytest.mark.parametrize("seed", [101, 102, 103])

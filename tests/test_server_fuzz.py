@@ -35,7 +35,10 @@ def shorten(body: dict) -> None:
                     where[key] = most
 
 
-def test_no_input_makes_the_server_fail(app):
+@pytest.mark.parametrize("examples", [12, pytest.param(60, marks=pytest.mark.long)])
+def test_no_input_makes_the_server_fail(app, examples):
+    """Each route's generated requests (derandomized: the same ones every run), a few always and
+    more with -m long."""
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     failures = []
     for operation in schema.get_all_operations():
@@ -43,7 +46,7 @@ def test_no_input_makes_the_server_fail(app):
 
         strategy = op.as_strategy()
 
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
                   derandomize=True)
         @given(case=strategy)
         def check(case):
