@@ -4,6 +4,7 @@ stream_generate() are one-call forms on top of it. The CLI, chat REPL, server an
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from jinja2.exceptions import TemplateError
@@ -25,13 +26,16 @@ DEFAULT_DRAFTER = "auto"
 _loaded: dict[tuple, LoadedModel] = {}
 
 
-def load_cached(model: str | LoadedModel | None = None, dtype: str | None = None) -> LoadedModel:
-    """load(), remembered per (model, dtype) so repeated API calls do not reload weights."""
+def load_cached(model: str | LoadedModel | None = None, dtype: str | None = None,
+                adapter_path: str | None = None) -> LoadedModel:
+    """load(), remembered per (model, dtype, adapters) so repeated API calls do not reload weights."""
     if isinstance(model, LoadedModel):
+        if adapter_path is not None:
+            raise CachebackError("adapters go with a model to load (a spec), not an already loaded one")
         return model
-    key = (model, dtype)
+    key = (model, dtype, adapter_path and str(Path(adapter_path).expanduser().resolve()))
     if key not in _loaded:
-        _loaded[key] = load(model, dtype=dtype)
+        _loaded[key] = load(model, dtype=dtype, adapter_path=adapter_path)
     return _loaded[key]
 
 
@@ -59,16 +63,17 @@ class Session:
 
     def __init__(self, model: str | LoadedModel | None = None, drafter: str = DEFAULT_DRAFTER,
                  dtype: str | None = None, draft_budget: int | None = None, fixed_budget: bool = False,
-                 peers=None, **drafter_params):
+                 peers=None, adapter_path: str | None = None, **drafter_params):
         """draft_budget caps the draft tokens per pass; each pass takes as many as pay for their
         rows by the model's pass cost (costs.py: a measured table if this machine has one, else a
         prior fitted to the engine's own passes; nothing is measured before the first token), or
         exactly draft_budget (default: per backend) with fixed_budget.
         peers: the other ranks of a sharded model (distributed.Leader); the budget is then fixed
-        (measuring pass costs would run passes the other ranks do not mirror)."""
+        (measuring pass costs would run passes the other ranks do not mirror).
+        adapter_path: fine-tuned adapters (mlx_lm.lora's folder) on the model (adapters.py)."""
         if drafter not in drafter_names():  # a bad name fails before the model loads
             make_drafter(drafter)
-        self.loaded = load_cached(model, dtype)
+        self.loaded = load_cached(model, dtype, adapter_path)
         self.tokenizer = self.loaded.tokenizer
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         first_drafter = self.make_drafter(drafter, **drafter_params)

@@ -61,7 +61,8 @@ def distributed_option(fn):
                              "or repos): tensor or pipeline parallel. Rank 0 drafts and answers.")(fn)
 
 
-def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed=None):
+def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed=None,
+                 adapter_path=None):
     """The Session a command runs on. With --distributed, ranks > 0 follow rank 0 here and exit
     when it is done; rank 0 gets a Session whose engine announces each pass to them."""
     from .api import Session
@@ -69,7 +70,11 @@ def open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args
 
     params = parse_drafter_args(drafter_args)
     if not distributed:
-        return Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget, **params)
+        return Session(model, drafter, dtype=dtype, draft_budget=draft_budget, fixed_budget=fixed_budget,
+                       adapter_path=adapter_path, **params)
+    if adapter_path is not None:
+        raise CachebackError("--adapter-path does not go with --distributed (mlx-lm shards the model as it loads "
+                             "it; fuse the adapters into it first: mlx_lm.fuse)")
     import atexit
 
     from . import distributed as dist
@@ -102,6 +107,12 @@ def model_option(fn):
     fn = click.option("--dtype", default=None, type=click.Choice(["float32", "float16", "bfloat16", "native"]),
                       help="Weight dtype (default: the fastest for the backend).")(fn)
     return fn
+
+
+def adapter_option(fn):
+    return click.option("--adapter-path", default=None,
+                        help="Fine-tuned adapters on the model: the folder mlx_lm.lora wrote (adapter_config.json, "
+                             "adapters.safetensors), as mlx-lm's --adapter-path.")(fn)
 
 
 def parse_drafter_args(pairs) -> dict:
@@ -147,11 +158,12 @@ def main():
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @click.option("--json-schema", default=None, help="Keep the answer to this JSON schema (inline JSON, or a file).")
 @click.option("--grammar", default=None, help="Keep the answer to this GBNF grammar (llama.cpp's; inline, or a file).")
+@adapter_option
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
              top_k, seed, repetition_penalty, repetition_window, chat, system, stats, json_schema, grammar,
-             distributed):
+             adapter_path, distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
     from .constrained import Constrained, check, grammar_of
     from .sampling import SamplingParams, penalties
@@ -167,7 +179,7 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 
         structure = grammar_of(json_schema=read(json_schema)) if json_schema is not None else \
             grammar_of(gbnf=read(grammar))
-    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     if prompt == "-":
         prompt = sys.stdin.read()
     ids = session.encode(prompt, chat=chat, system=system)
@@ -200,17 +212,18 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @penalty_option
+@adapter_option
 @distributed_option
 @user_errors
 def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed,
-         repetition_penalty, repetition_window, distributed):
+         repetition_penalty, repetition_window, adapter_path, distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .chat import run_chat
     from .sampling import SamplingParams, penalties
 
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
                               logits_processors=penalties(repetition_penalty, window=repetition_window))
-    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     run_chat(session, system, max_tokens, sampling)
 
 
@@ -240,17 +253,20 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
               help="Requests run at once, several sequences to a pass, each with its own drafts (continuous "
                    "batching; llama.cpp's -np); more wait for a free lane. 1: one request at a time. One with "
                    "--distributed.")
+@adapter_option
 @distributed_option
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size, infill_extra, slots, parallel, distributed):
+          batch_size, infill_extra, slots, parallel, adapter_path, distributed):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/* (/v1/responses
     too), Ollama /api/*, Anthropic /v1/messages."""
     from .server import serve as run_server
 
-    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed)
+    session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
-    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode})", err=True)
+    adapters = f"; adapters {session.loaded.adapter}" if session.loaded.adapter else ""
+    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode}{adapters})",
+               err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size,
                infill_extra=None if infill_extra < 0 else infill_extra, slots=slots,
                parallel=1 if distributed else parallel)

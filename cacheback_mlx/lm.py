@@ -50,10 +50,10 @@ class GenerationResponse:
     mat: float = 0.0  # mean tokens per pass so far
 
 
-def load(path_or_hf_repo: str | None = None, dtype: str | None = None):
+def load(path_or_hf_repo: str | None = None, dtype: str | None = None, adapter_path: str | None = None):
     """(model, tokenizer) for a GGUF file, an mlx-lm folder, a Hugging Face repo id or an alias;
-    None is the embedded default model."""
-    loaded = load_cached(path_or_hf_repo, dtype)
+    None is the embedded default model; `adapter_path`: fine-tuned adapters on it, as mlx-lm's."""
+    loaded = load_cached(path_or_hf_repo, dtype, adapter_path)
     _loaded[id(loaded.model)] = loaded
     return loaded.model, loaded.tokenizer
 

@@ -32,6 +32,7 @@ class LoadedModel:
     dtype: str
     fim: dict | None  # FIM token strings (prefix/suffix/middle, ...) or None
     note: str = ""  # how it was built or kept, when that is worth saying (random weights, kept quantized)
+    adapter: str | None = None  # the fine-tuned adapters' folder on the model (adapters.py)
 
     def __iter__(self):  # model, tokenizer = load()
         return iter((self.model, self.tokenizer))
@@ -91,13 +92,19 @@ def _fetch_default(info: dict, path: Path) -> None:
                                  f"run `{info['install']}`") from None
 
 
-def load(model: str | os.PathLike | None = None, dtype: str | None = None) -> LoadedModel:
+def load(model: str | os.PathLike | None = None, dtype: str | None = None,
+         adapter_path: str | os.PathLike | None = None) -> LoadedModel:
     """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
     folder, a Hugging Face repo id ("org/name"), or `random:NAME[:OPTIONS]` (a popular model's
-    shape with seeded random weights, random_models.py). On the CPU with OpenBLAS its float32 weights
+    shape with seeded random weights, random_models.py); with `adapter_path`, the fine-tuned
+    adapters mlx_lm.lora wrote there on it (adapters.py). On the CPU with OpenBLAS its float32 weights
     are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights), and MLX
     may keep more freed buffers for reuse (malloc.raise_mlx_cache_limit)."""
     loaded = _load(model, dtype)
+    if adapter_path is not None:
+        from . import adapters
+
+        loaded = adapters.apply(loaded, adapter_path)
     if blas.weight_layout_wanted():
         blas.transpose_weights(loaded.model)
     malloc.raise_mlx_cache_limit()  # after: the weights' replaced copies are not kept in the cache
