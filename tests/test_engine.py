@@ -200,8 +200,12 @@ def test_sampled_first_tokens_match_plain_sampling_distribution(tiny_model):
         def propose(self, history, budget, max_branching=None):
             return DraftTree([3, 42, 8, 19, 17], [-1, -1, 0, 1, 1])
 
-    def first_two(drafter, seed):
-        eng = Engine(tiny_model, eos_ids=[], drafter=drafter, context_length=4096)
+    engines = {}
+
+    def first_two(drafter, seed):  # one engine per drafter: each call from the cached prompt, a draw of its own
+        if type(drafter) not in engines:
+            engines[type(drafter)] = Engine(tiny_model, eos_ids=[], drafter=drafter, context_length=4096)
+        eng = engines[type(drafter)]
         out = [t for s in eng.generate(PROMPT, 2, SamplingParams(seed=seed, **params)) for t in s]
         return tuple(out[:2])
 
