@@ -20,9 +20,10 @@ cores=$("$python" -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(o
 workers=$(( cores < 4 ? cores : 4 ))
 # one BLAS thread per core in all: OpenBLAS's threads spin while they wait, and workers that each
 # ran one per core would take turns at every product (cores.py does the same between processes
-# on one machine; each worker's test session counts only its own: conftest.py)
+# on one machine; each worker's test session counts only its own: conftest.py). A test file runs
+# whole on one worker (--dist loadfile): its models and fixtures are built once, not once a worker.
 OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$(( cores / workers > 1 ? cores / workers : 1 ))} \
-    "$python" -m pytest -q -n "$workers" -m "$(both "not serial")" ${args[@]+"${args[@]}"}
+    "$python" -m pytest -q -n "$workers" --dist loadfile -m "$(both "not serial")" ${args[@]+"${args[@]}"}
 rest=$?
 "$python" -m pytest -q -m "$(both serial)" ${args[@]+"${args[@]}"}
 alone=$?
