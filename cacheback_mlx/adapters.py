@@ -47,5 +47,7 @@ def apply(loaded, adapter_path: str | Path):
                                    if n in params and mx.issubdtype(params[n].dtype, mx.floating)], strict=False)
     mx.eval(loaded.model.parameters())
     layers = config.get("num_layers")
-    what = f"{kind} adapters from {path}" + (f" ({layers} layers)" if kind != "full" and layers else "")
+    where = "" if kind == "full" or not isinstance(layers, int) else \
+        f" (the last {layers} layers)" if layers > 0 else " (every layer)"
+    what = f"{kind} adapters from {path}{where}"
     return dataclasses.replace(loaded, adapter=str(path), note="; ".join(x for x in (loaded.note, what) if x))
