@@ -39,6 +39,11 @@ def apply(loaded, adapter_path: str | Path):
         detail = "; ".join(lines[:2]) if lines else type(e).__name__
         raise CachebackError(f"cannot apply the adapters in {path}: {detail}") from None
     loaded.model.eval()
+    try:  # a family whose own code reads a layer's weight the adapters replaced (Gemma 3n's AltUp)
+        mx.eval(loaded.model(mx.array([[0]])))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CachebackError(f"the adapters in {path} do not run on this model: {type(e).__name__}: {first}") from None
     if loaded.dtype != "native":
         dtype = getattr(mx, loaded.dtype)
         params = dict(tree_flatten(loaded.model.parameters()))
