@@ -281,7 +281,9 @@ def test_two_processes_started_together_share_the_machine(tmp_path):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and b"measuring" not in err, err
         ends.append(time.perf_counter() - t0)
-    assert max(ends) <= 2 * alone, (ends, alone)
+    # One after the other takes 2x one alone, and sharing the cores measures ~1.5x here; processes that
+    # each ran a thread per core crawled (~30x, BENCHMARKS §11). 3x leaves room for a busy machine's noise.
+    assert max(ends) <= 3 * alone, (ends, alone)
     files = list((tmp_path / "two" / "cacheback-mlx" / "verify-cost").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["kind"] == "learned"
 
