@@ -347,10 +347,11 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: top-k (0: off).")
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="With --temperature: min-p.")
 @penalty_option
+@adapter_option
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args,
           draft_budget, warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir,
-          forced_dir, temperature, top_p, top_k, min_p, repetition_penalty, repetition_window):
+          forced_dir, temperature, top_p, top_k, min_p, repetition_penalty, repetition_window, adapter_path):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -378,7 +379,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   logits_processors=processors)
     recording = R.load_recording(forced_dir) if forced_dir else None
-    session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True)
+    session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True,
+                      adapter_path=adapter_path)
     if recording is not None and recording.get("fingerprint") != session.fingerprint:
         raise CachebackError(f"{forced_dir} was recorded with another tokenizer ({recording.get('model')}); "
                              "a forced run needs the same vocabulary")
@@ -407,6 +409,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
             "draft_budget": draft_budget or "per pass", "max_tokens": max_tokens, "per_category": per_category,
             "humaneval_prompts": humaneval_prompts,
             "prompts": sets, "categories": categories, "seed": seed}
+    if session.loaded.adapter:
+        meta["adapters"] = session.loaded.adapter
     if temperature:
         meta["sampling"] = (f"temperature {temperature}, top_p {top_p}, top_k {top_k}, min_p {min_p}, "
                             "seeded per question")
@@ -501,10 +505,12 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
 @click.option("--rounding", is_flag=True,
               help="Also measure how far a verify pass's logits lie from one-token steps' on this machine, in the "
                    "model's dtype (of --model, else the default model; a few passes: slow for big models on a CPU).")
+@adapter_option
 @user_errors
-def doctor(model_spec, drafter, drafter_args, rounding):
+def doctor(model_spec, drafter, drafter_args, rounding, adapter_path):
     """Show the backend, BLAS status and default settings; with --model, the model's family, its
-    layer caches by kind and its verify path (draft trees, or chains and why); with --drafter, a
+    layer caches by kind and its verify path (draft trees, or chains and why), with --adapter-path
+    the fine-tuned adapters on it (of the default model without --model); with --drafter, a
     short generation with that drafter and the drafter's own stats; with --rounding, how far a
     pass rounds from one-token steps here (rounding.py)."""
     import mlx.core as mx
@@ -545,7 +551,7 @@ def doctor(model_spec, drafter, drafter_args, rounding):
     click.echo(cores.share.describe())
     click.echo(f"draft budget: chosen per pass from the pass cost, at most {MAX_DRAFT} "
                f"(--fixed-budget: {default_draft_budget()} per pass); costs kept in {cost_path('').parent}")
-    if rounding and model_spec is None:
+    if (rounding or adapter_path) and model_spec is None:
         model_spec = "default"
     if model_spec is not None:
         from .drafters.base import NoDrafter
@@ -553,7 +559,7 @@ def doctor(model_spec, drafter, drafter_args, rounding):
         from .footprint import model_bytes_per_step, model_shape, param_bytes
         from .loader import load
 
-        loaded = load(model_spec)
+        loaded = load(model_spec, adapter_path=adapter_path)
         engine = Engine(loaded.model, [], NoDrafter(), loaded.context_length)
         info = engine.describe()
         click.echo(f"model: {loaded.name} ({loaded.source}), family {info['family']}, context {loaded.context_length}, "

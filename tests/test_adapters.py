@@ -5,6 +5,7 @@ a folder through the command equals mlx-lm's own load(adapter_path=...); bad fol
 
 import json
 import shutil
+from pathlib import Path
 
 from cacheback_mlx import adapters, lm
 from cacheback_mlx.engine import Engine
@@ -178,3 +179,16 @@ def test_bad_adapter_folders_are_one_line_errors(folder, tmp_path):
         load(model, adapter_path=tmp_path / "no-weights")
     assert_one_line_error(cli_here("serve", "--model", model, "--adapter-path", str(folder / "adapters"),
                                    "--distributed", "tensor"), "--distributed")
+
+
+def test_doctor_and_bench_take_the_adapters(folder):
+    model, path = str(folder / "model"), str(folder / "adapters")
+    r = cli_here("doctor", "--model", model, "--adapter-path", path)
+    assert r.returncode == 0, r.stderr
+    assert f"lora adapters from {Path(path).resolve()}" in r.stdout, r.stdout
+    r = cli_here("bench", "--model", model, "--adapter-path", path, "--prompts", "humaneval", "--per-category", "1",
+                 "-n", "8", "--drafters", "none,ngram", "--warmup", "0")
+    assert r.returncode == 0 and "LOSSLESS" not in r.stderr and "differ from mlx-lm" not in r.stderr, r.stderr
+    assert f"adapters={Path(path).resolve()}" in r.stdout, r.stdout
+    r = cli_here("doctor", "--model", model, "--adapter-path", str(folder / "absent"))
+    assert_one_line_error(r, "not an adapter folder")
