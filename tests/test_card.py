@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step
 import zoo
 from conftest import tiny_llama, write_tiny_gguf
 
-pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+SERIAL = pytest.mark.serial  # tools/test.sh runs these alone: they start draft processes
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 N = 48
@@ -231,6 +231,7 @@ def card(target, **kw):
     return make_drafter("card", fingerprint=vocab_fingerprint(target.tokenizer), target=target, **kw)
 
 
+@SERIAL
 def test_parallel_lossless_and_clean_close(ggufs, target):
     truth = plain(target.model)
     for draft, lo, hi in [(ggufs["target"], 1.5, 9), (ggufs["other"], 1.0, 1.3), ("self:2", 1.0, 9)]:
@@ -247,6 +248,7 @@ def test_parallel_lossless_and_clean_close(ggufs, target):
         assert wait_gone(pid, 10)
 
 
+@SERIAL
 def test_parallel_sequence_edits_and_reset(ggufs, target):
     d = card(target, draft=ggufs["target"], wait_ms=5000)
     eng = Engine(target.model, eos_ids=[], drafter=d, context_length=4096, draft_budget=7)
@@ -259,6 +261,7 @@ def test_parallel_sequence_edits_and_reset(ggufs, target):
     d.close()
 
 
+@SERIAL
 def test_killed_draft_process_degrades_to_plain_decoding_with_one_warning(ggufs, target, capsys):
     d = card(target, draft="self:2", wait_ms=5000)
     truth = plain(target.model)
@@ -294,6 +297,7 @@ def save_zoo_folder(family, path):
     return str(path)
 
 
+@SERIAL
 @pytest.mark.parametrize("family", ["mistral", "qwen3_next"])
 def test_parallel_lossless_on_a_sliding_and_a_hybrid_family(family, tmp_path):
     """The draft process runs a windowed model (the tree recomputed each layer) and a hybrid one
@@ -337,12 +341,14 @@ def start_script(tmp_path, model, forever):
     return proc, pid
 
 
+@SERIAL
 def test_no_orphan_after_normal_exit(tmp_path, ggufs):
     proc, child = start_script(tmp_path, ggufs["target"], False)
     assert proc.wait(120) == 0, proc.stderr.read()
     assert wait_gone(child), "draft process left behind"
 
 
+@SERIAL
 def test_no_orphan_after_ctrl_c(tmp_path, ggufs):
     proc, child = start_script(tmp_path, ggufs["target"], True)
     assert proc.stdout.readline().startswith("step")  # generating, draft process running
@@ -352,6 +358,7 @@ def test_no_orphan_after_ctrl_c(tmp_path, ggufs):
     assert wait_gone(child), "draft process left behind"
 
 
+@SERIAL
 def test_no_orphan_when_the_parent_is_killed(tmp_path, ggufs):
     proc, child = start_script(tmp_path, ggufs["target"], True)
     assert proc.stdout.readline().startswith("step")
@@ -362,6 +369,7 @@ def test_no_orphan_when_the_parent_is_killed(tmp_path, ggufs):
 
 # --- bad input -------------------------------------------------------------------------------
 
+@SERIAL
 @pytest.mark.parametrize("parallel", [False, True])
 def test_bad_draft_specs_are_one_line_errors(ggufs, target, tmp_path, parallel):
     cases = [(str(tmp_path / "missing.gguf"), "not found"), (ggufs["fim"], "another tokenizer"),
@@ -375,6 +383,7 @@ def test_bad_draft_specs_are_one_line_errors(ggufs, target, tmp_path, parallel):
         card(target, parallel=parallel)
 
 
+@SERIAL
 def test_cli_card_generate_stats_and_errors(ggufs):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "cacheback_mlx.cli", "generate", "hello",
@@ -408,6 +417,7 @@ def test_cli_card_generate_stats_and_errors(ggufs):
 
 # --- the real default model ------------------------------------------------------------------
 
+@SERIAL
 @pytest.mark.slow
 def test_default_model_self_n_lossless(default_model):
     """In a draft process (in this one: test_default_model.py, and the stats on tiny models above)."""

@@ -102,10 +102,10 @@ def test_build_table_from_a_folder_and_jsonl(tmp_path, tiny_gguf):
     assert r.returncode == 0, r.stderr
     assert out.is_file() and "leaders" in r.stdout
     # the table is tied to that tokenizer, and the drafter uses it
-    r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "cacheback",
-            "--drafter-arg", f"frozen={out}")
+    r = cli_here("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "cacheback",
+                 "--drafter-arg", f"frozen={out}")
     assert r.returncode == 0, r.stderr
-    assert_one_line_error(cli("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf),
+    assert_one_line_error(cli_here("build-table", str(tmp_path / "missing"), "--out", str(out), "--model", tiny_gguf),
                           "not found")
 
 
@@ -115,11 +115,11 @@ def test_build_datastore_and_use_it_with_rest(tmp_path, tiny_gguf):
     out = tmp_path / "ds"
     r = cli("build-datastore", str(corpus), "--out", str(out), "--model", tiny_gguf)
     assert r.returncode == 0, r.stderr
-    r = cli("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "rest",
-            "--drafter-arg", f"datastore={out}", "--stats")
+    r = cli_here("generate", "the cat", "--model", tiny_gguf, "--raw", "--max-tokens", "4", "--drafter", "rest",
+                 "--drafter-arg", f"datastore={out}", "--stats")
     assert r.returncode == 0, r.stderr
     assert "datastore_tokens" in r.stderr and "mean_retrieval_ms" in r.stderr
-    assert_one_line_error(cli("generate", "x", "--model", tiny_gguf, "--drafter", "rest"), "build-datastore")
+    assert_one_line_error(cli_here("generate", "x", "--model", tiny_gguf, "--drafter", "rest"), "build-datastore")
 
 
 def test_bench_runs_drafter_variants_side_by_side(tmp_path):
@@ -140,9 +140,11 @@ def test_bench_runs_drafter_variants_side_by_side(tmp_path):
     summary = json.loads((tmp_path / "b.json").read_text())["summary"]
     assert list(summary["overall"]) == ["none", "cacheback", "cacheback:frozen=false", "cacheback:dynamic=false:tdl=8"]
     assert "| cacheback:frozen=false " in r.stdout
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters", "cacheback:nope=1")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters",
+                   "cacheback:nope=1")
     assert_one_line_error(bad, "cacheback")
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters", "cacheback:frozen")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--drafters",
+                   "cacheback:frozen")
     assert_one_line_error(bad, "KEY=VALUE")
 
 
@@ -162,15 +164,15 @@ def test_bench_samples_when_given_a_temperature(tmp_path):
             "--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.02", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "sampling=temperature 0.8, top_p 0.9, top_k 0, min_p 0.02" in r.stdout and "| mlx-lm " in r.stdout
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--top-p", "0.9")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--top-p", "0.9")
     assert_one_line_error(bad, "--temperature")
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--forced", str(tmp_path), "--temperature", "1")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--forced", str(tmp_path), "--temperature", "1")
     assert_one_line_error(bad, "greedy")
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
-              "--top-p", "1.5")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
+                   "--top-p", "1.5")
     assert_one_line_error(bad, "top_p")
-    bad = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
-              "--min-p", "2")
+    bad = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--temperature", "1",
+                   "--min-p", "2")
     assert_one_line_error(bad, "min_p")
 
 
@@ -181,16 +183,16 @@ def test_generate_keeps_to_a_json_schema_or_a_grammar(tmp_path):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["n"], "additionalProperties": False}  # bounded: it ends within -n on any CPU
     (tmp_path / "s.json").write_text(json.dumps(schema))
-    for value in (json.dumps(schema), str(tmp_path / "s.json")):
-        r = cli("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "96", "--json-schema", value)
+    for run, value in ((cli, json.dumps(schema)), (cli_here, str(tmp_path / "s.json"))):
+        r = run("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "96", "--json-schema", value)
         assert r.returncode == 0, r.stderr
         assert set(json.loads(r.stdout)) == {"n"}
-    r = cli("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "8", "--grammar",
-            'root ::= "yes" | "no"')
+    r = cli_here("generate", "abc", "--raw", "--model", str(tmp_path / "t.gguf"), "-n", "8", "--grammar",
+                 'root ::= "yes" | "no"')
     assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
-    assert_one_line_error(cli("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--json-schema", "{oops"),
+    assert_one_line_error(cli_here("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--json-schema", "{oops"),
                           "grammar")
-    assert_one_line_error(cli("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--grammar", "root ::= ("),
+    assert_one_line_error(cli_here("generate", "abc", "--model", str(tmp_path / "t.gguf"), "--grammar", "root ::= ("),
                           "grammar")
 
 
@@ -210,17 +212,17 @@ def test_a_repetition_penalty_from_the_command_line_gives_mlx_lm_s_tokens(tmp_pa
     assert r.returncode == 0, r.stderr
     assert "repetition_penalty=3.0 over 64 tokens" in r.stdout and "| mlx-lm " in r.stdout
     assert "differ from mlx-lm" not in r.stderr, r.stderr
-    plain = cli("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--prompts", "spec_bench",
-                "--per-category", "1", "--max-tokens", "24", "--warmup", "0", "--drafters", "none",
-                "--json", str(tmp_path / "n.json"), timeout=300)
+    plain = cli_here("bench", "--model", str(tmp_path / "t.gguf"), "--data", str(tmp_path), "--prompts", "spec_bench",
+                     "--per-category", "1", "--max-tokens", "24", "--warmup", "0", "--drafters", "none",
+                     "--json", str(tmp_path / "n.json"))
     assert plain.returncode == 0, plain.stderr
     tokens = [{r["drafter"]: r["tokens"] for r in json.loads((tmp_path / f).read_text())["runs"]}
               for f in ("p.json", "n.json")]
     assert tokens[0]["none"] == tokens[0]["mlx-lm"] != tokens[1]["mlx-lm"]  # the penalty changed the text
-    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "-1"),
+    assert_one_line_error(cli_here("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "-1"),
                           "repetition_penalty")
-    assert_one_line_error(cli("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "1.2",
-                              "--repetition-context-size", "-2"), "window")
+    assert_one_line_error(cli_here("generate", "hi", "--model", str(tmp_path / "t.gguf"), "--repetition-penalty", "1.2",
+                                   "--repetition-context-size", "-2"), "window")
 
 
 def test_bench_of_plain_decoding_alone_measures_no_pass_cost(tmp_path):

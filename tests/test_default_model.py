@@ -124,8 +124,8 @@ def drafter_params(default_model, tmp_path_factory):
 
 DRAFTERS = [n for n in drafter_names() if n != "none"]
 # the default drafter for all N tokens, the others for half of them (CARD's draft model drafts in
-# this process at ~5 tokens/s: 24); every one for all N with -m long
-SHORT = {"auto": N, "card": 24}
+# this process at ~5 tokens/s: 12); every one for all N with -m long
+SHORT = {"auto": N, "card": 12}
 LOSSLESS = ([pytest.param(name, SHORT.get(name, N // 2), id=name) for name in DRAFTERS]
             + [pytest.param(name, N, id=f"{name}-{N}", marks=pytest.mark.long) for name in DRAFTERS if name != "auto"])
 

@@ -19,7 +19,7 @@ import zoo
 from test_server import serving
 from test_server import sse_events as events
 
-pytestmark = pytest.mark.serial  # starts servers
+SERIAL = pytest.mark.serial  # tools/test.sh runs these alone: they start servers
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
@@ -103,6 +103,7 @@ def server(request):
         yield session, url
 
 
+@SERIAL
 def test_openai_chat_logprobs_are_mlx_lm_s_and_spell_the_answer(server):
     session, url = server
     body = {"messages": CHAT, "max_tokens": 16, "logprobs": True, "top_logprobs": 3}
@@ -127,6 +128,7 @@ def test_openai_chat_logprobs_are_mlx_lm_s_and_spell_the_answer(server):
     assert "logprobs" not in plain["choices"][0]
 
 
+@SERIAL
 def test_logprobs_by_the_completions_llama_cpp_and_ollama_names(server):
     session, url = server
     _, theirs = reference(session.loaded.model, session.encode(PROMPT, chat=False), 8)
@@ -157,6 +159,7 @@ def test_logprobs_by_the_completions_llama_cpp_and_ollama_names(server):
     assert [e["token"] for x in lines for e in x.get("logprobs", [])] == lp["tokens"]
 
 
+@SERIAL
 def test_bad_logprob_requests_are_4xx(server):
     _, url = server
     for body in ({"logprobs": 21}, {"logprobs": -1}, {"logprobs": True, "top_logprobs": 99}, {"n_probs": -2},

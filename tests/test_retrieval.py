@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.serial  # tools/test.sh runs it alone: it times something, or starts processes or servers
+SERIAL = pytest.mark.serial  # tools/test.sh runs these alone: they time something
 
 
 def brute_longest(tokens, context, max_n):
@@ -195,6 +195,7 @@ def test_ssd_buffer_stays_within_its_capacity(tmp_path):
         assert len(z["tokens"]) <= 50
 
 
+@SERIAL
 def test_ssd_propose_does_not_wait_for_a_rebuild(tmp_path, monkeypatch):
     import cacheback_mlx.drafters.ssd as ssd
 
@@ -219,6 +220,7 @@ def test_ssd_propose_does_not_wait_for_a_rebuild(tmp_path, monkeypatch):
     d.wait()
 
 
+@SERIAL
 def test_retrieval_is_fast_on_a_10m_token_store():
     rng = np.random.default_rng(0)
     idx = SuffixIndex(rng.integers(0, 49152, size=10_000_000, dtype=np.int32))
