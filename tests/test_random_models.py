@@ -220,7 +220,7 @@ def test_quantized_folder_that_would_not_fit_dequantized_stays_quantized(tmp_pat
 def test_doctor_shows_shape_bytes_and_caches(monkeypatch):
     from cacheback_mlx import sharing
 
-    monkeypatch.setattr(loader, "load", load)  # the model the other tests built
+    monkeypatch.setattr(loader, "load", lambda spec, adapter_path=None: load(spec))  # the model the other tests built
     # (its line on shared passes runs passes of 7-12 rows: ~15 s for this shape on MLX's CPU
     # 4-bit path; test_batch.py checks that line's answers)
     monkeypatch.setattr(sharing, "check_sharing", lambda engine: sharing.Sharing("not checked here"))
