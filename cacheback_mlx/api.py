@@ -173,6 +173,28 @@ class Session:
     def reset(self) -> None:
         self.engine.reset()
 
+    def add_eos_tokens(self, tokens: Sequence[str]) -> list[int]:
+        """Tokens that end a generation besides the model's own (mlx-lm's --extra-eos-token): each
+        a token as the vocabulary spells it ("<|end|>"), a text that is one token, or a token id.
+        Returns their ids; anything else is a one-line error."""
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        vocab = hf.get_vocab()
+        ids = []
+        for token in tokens:
+            if token in vocab:
+                ids.append(vocab[token])
+                continue
+            if token.isdigit() and int(token) < len(vocab):
+                ids.append(int(token))
+                continue
+            encoded = list(hf.encode(token, add_special_tokens=False)) if token else []
+            if len(encoded) != 1:
+                raise CachebackError(f"{token!r} is not one token of {self.loaded.name}'s vocabulary "
+                                     f"({len(encoded)} tokens); an end token is one token, its text or its id")
+            ids.append(encoded[0])
+        self.engine.add_eos(ids)
+        return ids
+
     def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None,
                tools: Sequence[dict] | None = None, template_args: dict | None = None) -> list[int]:
         """Token ids for a prompt: text (through the chat template when chat, the default for

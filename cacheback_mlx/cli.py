@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -109,6 +110,22 @@ def model_option(fn):
     return fn
 
 
+def sampling_options(fn):
+    """The options of a sampled generation, as mlx-lm's generate and chat name them."""
+    for option in reversed([
+            click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 = greedy."),
+            click.option("--top-p", default=1.0, show_default=True),
+            click.option("--top-k", default=0, show_default=True),
+            click.option("--min-p", default=0.0, show_default=True,
+                         help="Keep tokens at least this fraction of the likeliest one's probability (0: off)."),
+            click.option("--seed", type=int, default=None),
+            click.option("--extra-eos-token", "extra_eos", multiple=True, metavar="TOKEN",
+                         help="Also end the answer at this token (its text, as the vocabulary spells it, or its "
+                              "id; repeatable), as mlx-lm's --extra-eos-token.")]):
+        fn = option(fn)
+    return fn
+
+
 def adapter_option(fn):
     return click.option("--adapter-path", default=None,
                         help="Fine-tuned adapters on the model: the folder mlx_lm.lora wrote (adapter_config.json, "
@@ -148,10 +165,7 @@ def main():
 @model_option
 @drafter_option
 @click.option("--max-tokens", "-n", default=256, show_default=True)
-@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options
 @penalty_option
 @click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
 @click.option("--system", default=None, help="System prompt (chat mode).")
@@ -162,8 +176,8 @@ def main():
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
-             top_k, seed, repetition_penalty, repetition_window, chat, system, stats, json_schema, grammar,
-             adapter_path, distributed):
+             top_k, min_p, seed, extra_eos, repetition_penalty, repetition_window, chat, system, stats, json_schema,
+             grammar, adapter_path, distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
     from .constrained import Constrained, check, grammar_of
     from .sampling import SamplingParams, penalties
@@ -179,14 +193,16 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 
         structure = grammar_of(json_schema=read(json_schema)) if json_schema is not None else \
             grammar_of(gbnf=read(grammar))
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)  # checked first
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
+    session.add_eos_tokens(extra_eos)
     if prompt == "-":
         prompt = sys.stdin.read()
     ids = session.encode(prompt, chat=chat, system=system)
     if structure is not None:
         check(structure, session.tokenizer, session.engine.eos_ids)
         processors += (Constrained(structure, session.tokenizer, session.engine.eos_ids, len(ids)),)
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed, logits_processors=processors)
+    sampling = dataclasses.replace(sampling, logits_processors=processors)
     for text, _ in session.stream_ids(ids, max_tokens, sampling):
         click.echo(text, nl=False)
     click.echo()
@@ -207,23 +223,21 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @drafter_option
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--max-tokens", "-n", default=512, show_default=True)
-@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options
 @penalty_option
 @adapter_option
 @distributed_option
 @user_errors
-def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, seed,
-         repetition_penalty, repetition_window, adapter_path, distributed):
+def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, min_p,
+         seed, extra_eos, repetition_penalty, repetition_window, adapter_path, distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .chat import run_chat
     from .sampling import SamplingParams, penalties
 
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                               logits_processors=penalties(repetition_penalty, window=repetition_window))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
+    session.add_eos_tokens(extra_eos)
     run_chat(session, system, max_tokens, sampling)
 
 

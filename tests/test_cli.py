@@ -277,3 +277,31 @@ def test_an_unreadable_scores_file_for_auto(tmp_path):
     bad.write_bytes(b"not gzip")  # the same path in this process (a process of its own only adds its start-up)
     assert_one_line_error(cli_here("generate", "hi", "--max-tokens", "2", "--drafter-arg", f"scores={bad}"),
                           "cannot read scores", str(bad))
+
+
+def test_an_extra_end_token_ends_the_answer_where_mlx_lm_s_would(tiny_gguf):
+    """--extra-eos-token (the vocabulary's spelling or an id, as mlx-lm's; a one-token text too) ends
+    the answer before that token, with drafts too; --min-p goes to the sampler (its draws: test_host_sampling.py);
+    bad values: one line."""
+    from cacheback_mlx.api import Session
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    session = Session(tiny_gguf, "none")
+    ids = session.encode("hello", chat=False)
+    truth = [int(t) for t, _ in generate_step(mx.array(ids), session.loaded.model, max_tokens=16)]
+    k = next(i for i in range(3, len(truth)) if truth[i] not in truth[:i])  # a token first seen at k >= 3
+    spelled = session.tokenizer._tokenizer.convert_ids_to_tokens(truth[k])
+    want = session.tokenizer.decode(truth[:k])
+    for token, drafter in ((spelled, "none"), (str(truth[k]), "ngram")):
+        r = cli_here("generate", "hello", "--model", tiny_gguf, "--raw", "-n", "16", "--drafter", drafter,
+                     "--extra-eos-token", token, "--stats")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip("\n") == want and f"| {k} tokens" in r.stderr, (token, r.stdout, r.stderr)
+    r = cli_here("generate", "hello", "--model", tiny_gguf, "--raw", "-n", "8", "--temp", "1", "--min-p", "0.5",
+                 "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--extra-eos-token", "no such words here"),
+                          "not one token")
+    assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--temp", "1", "--min-p", "2"), "min_p")
