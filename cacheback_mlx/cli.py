@@ -168,7 +168,7 @@ def main():
 @sampling_options
 @penalty_option
 @click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
-@click.option("--system", default=None, help="System prompt (chat mode).")
+@click.option("--system", "--system-prompt", "system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @click.option("--json-schema", default=None, help="Keep the answer to this JSON schema (inline JSON, or a file).")
 @click.option("--grammar", default=None, help="Keep the answer to this GBNF grammar (llama.cpp's; inline, or a file).")
@@ -221,7 +221,7 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @main.command()
 @model_option
 @drafter_option
-@click.option("--system", default=None, help="System prompt.")
+@click.option("--system", "--system-prompt", "system", default=None, help="System prompt.")
 @click.option("--max-tokens", "-n", default=512, show_default=True)
 @sampling_options
 @penalty_option

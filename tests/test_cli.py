@@ -305,3 +305,16 @@ def test_an_extra_end_token_ends_the_answer_where_mlx_lm_s_would(tiny_gguf):
     assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--extra-eos-token", "no such words here"),
                           "not one token")
     assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--temp", "1", "--min-p", "2"), "min_p")
+
+
+def test_a_system_prompt_by_either_name(tiny_gguf):
+    """--system, or mlx-lm's --system-prompt, goes before the question in the chat template."""
+    import re
+
+    def prompt_tokens(*args):
+        r = cli_here("generate", "hi", "--model", tiny_gguf, "--chat", "-n", "2", "--stats", *args)
+        assert r.returncode == 0, r.stderr
+        return int(re.search(r"prompt (\d+) tok", r.stderr).group(1))
+
+    plain = prompt_tokens()
+    assert prompt_tokens("--system", "be brief") == prompt_tokens("--system-prompt", "be brief") > plain
