@@ -167,7 +167,9 @@ def main():
 @click.option("--max-tokens", "-n", default=256, show_default=True)
 @sampling_options
 @penalty_option
-@click.option("--chat/--raw", default=None, help="Use the chat template (default when the model has one).")
+@click.option("--chat/--raw", " /--ignore-chat-template", default=None,
+              help="Use the chat template (default when the model has one); --raw, or mlx-lm's "
+                   "--ignore-chat-template: the prompt as it is.")
 @click.option("--system", "--system-prompt", "system", default=None, help="System prompt (chat mode).")
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @click.option("--json-schema", default=None, help="Keep the answer to this JSON schema (inline JSON, or a file).")

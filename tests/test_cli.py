@@ -307,8 +307,9 @@ def test_an_extra_end_token_ends_the_answer_where_mlx_lm_s_would(tiny_gguf):
     assert_one_line_error(cli_here("generate", "hi", "--model", tiny_gguf, "--temp", "1", "--min-p", "2"), "min_p")
 
 
-def test_a_system_prompt_by_either_name(tiny_gguf):
-    """--system, or mlx-lm's --system-prompt, goes before the question in the chat template."""
+def test_a_system_prompt_and_no_template_by_either_name(tiny_gguf):
+    """--system, or mlx-lm's --system-prompt, goes before the question in the chat template;
+    --raw, or mlx-lm's --ignore-chat-template, leaves the template out."""
     import re
 
     def prompt_tokens(*args):
@@ -318,3 +319,4 @@ def test_a_system_prompt_by_either_name(tiny_gguf):
 
     plain = prompt_tokens()
     assert prompt_tokens("--system", "be brief") == prompt_tokens("--system-prompt", "be brief") > plain
+    assert prompt_tokens("--raw") == prompt_tokens("--ignore-chat-template") < plain
