@@ -263,7 +263,8 @@ def test_the_readme_command_answers_at_once_on_a_fresh_cache(tmp_path):
     cold, _, err, rc = _first_byte(env, "generate", README_PROMPT, "--max-tokens", "16")
     assert rc == 0 and "measuring" not in err, err
     warm, _, err, rc = _first_byte(env, "generate", README_PROMPT, "--max-tokens", "16")
-    assert rc == 0 and cold <= 2 * warm, (cold, warm)
+    # level here (~4.1 s each, BENCHMARKS §11); 3x leaves room for a busy machine's noise
+    assert rc == 0 and cold <= 3 * warm, (cold, warm)
 
 
 @pytest.mark.slow
