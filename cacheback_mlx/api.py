@@ -192,7 +192,7 @@ class Session:
                 raise CachebackError(f"{token!r} is not one token of {self.loaded.name}'s vocabulary "
                                      f"({len(encoded)} tokens); an end token is one token, its text or its id")
             ids.append(encoded[0])
-        self.engine.add_eos(ids)
+        self.engine.set_eos(self.engine.eos_ids | set(ids))
         return ids
 
     def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, system: str | None = None,

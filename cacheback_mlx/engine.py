@@ -238,9 +238,9 @@ class Engine:
         self.set_run_ahead(run_ahead)
         self.set_prompt_layout()
 
-    def add_eos(self, ids: Seq[int]) -> None:
-        """More tokens that end a generation, as the model's own end-of-sequence tokens do."""
-        self.eos_ids |= {int(t) for t in ids}
+    def set_eos(self, ids: Seq[int]) -> None:
+        """The tokens that end a generation (the model's own end-of-sequence tokens, and any more)."""
+        self.eos_ids = {int(t) for t in ids}
 
     def set_prompt_layout(self, as_mlx_lm: bool | None = None) -> None:
         """Put prompts through the model as mlx-lm does (True) or in the engine's own layout

@@ -11,7 +11,7 @@ mlx-lm (the last one carries finish_reason "stop" with the EOS token, or "length
 drafting counters of the generation so far (passes, mat). `logprobs` is each token's
 log-probabilities over the vocabulary as in mlx-lm, from the pass row that predicted it (the same
 values within a pass's rounding; computed only when read). Differences: `from_draft` is True for
-tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / seed instead
+tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / min_p / seed instead
 of a `sampler` callable (sample-and-match needs the distribution itself). `logits_processors`
 (mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
 pass with the tokens before its own position (sampling.processed_rows).
@@ -74,7 +74,7 @@ def _session(model, tokenizer, drafter: str, draft_budget: int | None) -> Sessio
 
 def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, max_tokens: int = 256,
                     drafter: str = DEFAULT_DRAFTER, draft_budget: int | None = None, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, min_p: float = 0.0,
                     **kwargs) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
     if kwargs.get("sampler") is not None:
@@ -85,15 +85,16 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
         raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown)) or 'draft_model'}")
     if max_tokens == 0:
         raise CachebackError("max_tokens must be non-zero (use -1 for no limit)")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                              logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
     session = _session(model, tokenizer, drafter, draft_budget)
+    session.engine.set_eos(tokenizer.eos_token_ids)  # as mlx-lm reads them at each call (add_eos_token)
     if isinstance(prompt, str):
         bos = getattr(tokenizer, "bos_token", None)
         ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
     else:
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     limit = session.loaded.context_length if max_tokens < 0 else max_tokens
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
     detok = tokenizer.detokenizer
     detok.reset()
     eng, n, last = session.engine, 0, None

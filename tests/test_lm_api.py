@@ -72,21 +72,34 @@ def test_logits_processors_apply_as_in_mlx_lm(tiny, drafter):
 
 
 def test_a_stop_token_ends_like_mlx_lm(tiny):
+    """An EOS token added to mlx-lm's tokenizer (add_eos_token) counts from the next call on, as in
+    mlx-lm, which reads the tokenizer's EOS ids at each call; taken away, it no longer does."""
     model, tokenizer = tiny
     prompt = "hello hello"
     first = [r.token for r in mlx_stream(model, tokenizer, prompt, max_tokens=12)]
+    assert responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=12))[-1]["finish_reason"] == "length"
     eos = first[5]  # make the 6th generated token an EOS for both
-    tokenizer._eos_token_ids.add(eos)
+    tokenizer.add_eos_token(str(eos))
     try:
-        lm._sessions.clear()  # a session keeps the EOS ids it was made with
         theirs = list(mlx_stream(model, tokenizer, prompt, max_tokens=12))
         ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=12))
     finally:
         tokenizer._eos_token_ids.discard(eos)
-        lm._sessions.clear()
     assert theirs[-1].finish_reason == "stop" and theirs[-1].token == eos
     assert responses(ours) == responses(theirs)
     assert same_logprobs(ours, theirs)  # the stop token's too
+    assert [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=12)] == first
+
+
+def test_min_p_samples_from_the_likeliest_tokens(tiny):
+    """min_p=1 keeps only the likeliest token: sampled at any temperature, greedy's tokens."""
+    model, tokenizer = tiny
+    greedy = [r.token for r in lm.stream_generate(model, tokenizer, "hello", max_tokens=8)]
+    sampled = [r.token for r in lm.stream_generate(model, tokenizer, "hello", max_tokens=8, temperature=5.0,
+                                                   min_p=1.0, seed=2)]
+    assert sampled == greedy
+    with pytest.raises(CachebackError, match="min_p"):
+        next(lm.stream_generate(model, tokenizer, "hello", temperature=1.0, min_p=2.0))
 
 
 def test_unsupported_arguments_get_a_clear_error(tiny):
