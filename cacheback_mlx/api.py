@@ -175,17 +175,17 @@ class Session:
 
     def add_eos_tokens(self, tokens: Sequence[str]) -> list[int]:
         """Tokens that end a generation besides the model's own (mlx-lm's --extra-eos-token): each
-        a token as the vocabulary spells it ("<|end|>"), a text that is one token, or a token id.
-        Returns their ids; anything else is a one-line error."""
+        a token id (digits are an id first, as in mlx-lm), a token as the vocabulary spells it
+        ("<|end|>"), or a text that is one token. Returns their ids; anything else is one line."""
         hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
         vocab = hf.get_vocab()
         ids = []
         for token in tokens:
-            if token in vocab:
-                ids.append(vocab[token])
-                continue
             if token.isdigit() and int(token) < len(vocab):
                 ids.append(int(token))
+                continue
+            if token in vocab:
+                ids.append(vocab[token])
                 continue
             encoded = list(hf.encode(token, add_special_tokens=False)) if token else []
             if len(encoded) != 1:

@@ -120,8 +120,8 @@ def sampling_options(fn):
                          help="Keep tokens at least this fraction of the likeliest one's probability (0: off)."),
             click.option("--seed", type=int, default=None),
             click.option("--extra-eos-token", "extra_eos", multiple=True, metavar="TOKEN",
-                         help="Also end the answer at this token (its text, as the vocabulary spells it, or its "
-                              "id; repeatable), as mlx-lm's --extra-eos-token.")]):
+                         help="Also end the answer at this token (its id, its spelling in the vocabulary, or a "
+                              "text that is one token; repeatable), as mlx-lm's --extra-eos-token.")]):
         fn = option(fn)
     return fn
 
