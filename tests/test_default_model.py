@@ -140,6 +140,19 @@ def test_drafter_is_lossless_on_the_default_model(name, n, default_model, plain_
         assert eng.stats.passes <= n
 
 
+def test_an_extra_end_token_ends_where_mlx_lm_s_stream_has_it_on_the_default_model(default_model, plain_outputs):
+    """Session.add_eos_tokens (--extra-eos-token) with auto's drafts: the answer is plain decoding's
+    (mlx-lm's, test_plain_engine_matches_mlx_lm) up to the first place of that token."""
+    from cacheback_mlx.api import Session
+
+    ids, truth = plain_outputs["raw"]
+    k = next(i for i in range(8, N) if truth[i] not in truth[:i])
+    session = Session(default_model, "auto", persist=False)
+    assert session.add_eos_tokens([str(truth[k])]) == [truth[k]]
+    out = [t for _, tokens in session.stream_ids(ids, N) for t in tokens]
+    assert out == truth[:k] and session.stats.stop_token == truth[k]
+
+
 def test_auto_from_the_shipped_scores_is_lossless_on_the_default_model(default_model, plain_outputs):
     """auto:scores=true (the scores learned on the model's own answers, for its tokenizer) drafts
     otherwise, never differently: every token as plain decoding's."""

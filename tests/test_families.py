@@ -100,6 +100,20 @@ def test_greedy_tokens_equal_mlx_lm(family):
             assert sizer.calibration.expected.sum() > 0, name
 
 
+def test_an_end_token_set_on_the_engine_ends_where_mlx_lm_s_stream_has_it(family):
+    """An end token besides the model's own (set_eos: --extra-eos-token, add_eos_token) ends the
+    answer before its first place in mlx-lm's greedy stream, drafts past it or not."""
+    name, model = family
+    truth = reference(model, PROMPT, N)
+    k = next(i for i in range(3, N) if truth[i] not in truth[:i])
+    for label, d in {"none": NoDrafter(), "oracle-tree": OracleDrafter(PROMPT, truth, extra_wrong_branches=2),
+                     "random": RandomTreeDrafter(PROMPT, truth, seed=5)}.items():
+        eng = Engine(model, eos_ids=[], drafter=d, context_length=4096, draft_budget=16)
+        eng.set_eos([truth[k]])
+        out = [t for step in eng.generate(PROMPT, N) for t in step]
+        assert out == truth[:k] and eng.stats.stop_token == truth[k], (name, label)
+
+
 def test_a_prompt_prefilled_whole_before_a_sized_first_pass_gives_mlx_lm_s_tokens(family):
     """Where the planner keeps the prompt's tail out of the first pass (its rows cost more there
     than in prefill: planner.CostPlanner.lead_tail), the prompt is prefilled whole but its last
