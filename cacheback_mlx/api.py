@@ -177,6 +177,8 @@ class Session:
         """Tokens that end a generation besides the model's own (mlx-lm's --extra-eos-token): each
         a token id (digits are an id first, as in mlx-lm), a token as the vocabulary spells it
         ("<|end|>"), or a text that is one token. Returns their ids; anything else is one line."""
+        if not tokens:
+            return []
         hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
         vocab = hf.get_vocab()
         ids = []
