@@ -67,7 +67,8 @@ def test_parts_copied_one_at_a_time_unpack_into_a_site_that_imports(tmp_path):
 
     # a part damaged on the way: refused, nothing unpacked
     bad = staged / "part.01"
-    bad.write_bytes(b"x" + bad.read_bytes()[1:])
+    data = bad.read_bytes()
+    bad.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # always a different first byte
     r = stage(tmp_path / "copy2", env | {"SITE": str(tmp_path / "site2")})
     assert r.returncode == 1 and "does not match its sum" in r.stdout
     assert not (tmp_path / "site2").exists()
