@@ -144,6 +144,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     attend_keys = getattr(mask, "attend_keys", None)  # a shared pass's layer over another layer's keys
     if attend_keys is not None:
         return attend_keys(queries, keys, scale, sinks)
+    if hasattr(cache, "bits"):  # quantized keys and values: mlx-lm's quantized attention
+        return stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     if queries.shape[2] > 1 and kernels.in_rows_pass():  # a verify pass on a GPU (kernels/)
         out = kernels.rows_attention(stock, queries, keys, values, cache, scale, mask, sinks)
         if out is None:

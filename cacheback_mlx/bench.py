@@ -191,10 +191,12 @@ def run_engine(session: Session, row, prompt: Prompt, max_tokens: int, label: st
     return run
 
 
-def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: SamplingParams | None = None) -> Run:
+def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: SamplingParams | None = None,
+               kv: tuple[int, int, int] | None = None) -> Run:
     """The same question with mlx-lm's own stream_generate on the same weights: greedy, or with
     mlx-lm's sampler at the same settings (seeded per turn through MLX's global random state);
-    with the same logits processors (penalties)."""
+    with the same logits processors (penalties); kv: (bits, group size, start) of its K/V cache
+    quantization."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -212,6 +214,8 @@ def run_mlx_lm(session: Session, prompt: Prompt, max_tokens: int, sampling: Samp
                                          min_p=params.min_p, top_k=params.top_k)
         if params.logits_processors:
             kw["logits_processors"] = list(params.logits_processors)
+        if kv is not None:
+            kw.update(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
         t0 = time.perf_counter()
         out = []
         for r in stream_generate(session.loaded.model, session.tokenizer, ids, max_tokens=max_tokens, **kw):
@@ -232,7 +236,8 @@ def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_token
               with_mlx_lm: bool = True, progress: bool = True, warm_every_prompt: bool | None = None,
               sampling: SamplingParams | None = None) -> list[Run]:
     """Every prompt with every drafter (and mlx-lm), rotating the order per prompt; greedy, or
-    sampled (`sampled`).
+    sampled (`sampled`); mlx-lm quantizes its K/V cache as the engine was told to
+    (Engine.set_kv_quantization).
     `warm_every_prompt` (default: on a GPU): first run each prompt once with plain decoding,
     untimed. On a GPU, MLX pays once a process for what a new shape needs (cuDNN's plan for a
     prompt's prefill, for each cache length a step reads, kernels compiled at first use: 0.3-0.5 s
@@ -240,23 +245,24 @@ def run_bench(session: Session, prompts: list[Prompt], drafters: dict, max_token
     from tqdm import tqdm
 
     names = list(drafters) + ([MLX_LM] if with_mlx_lm else [])
+    kv = session.engine.kv_quant
     for p in WARMUP[:warmup]:
         for n in names:
-            _one(session, drafters, n, p, min(max_tokens, 16), sampling)
+            _one(session, drafters, n, p, min(max_tokens, 16), sampling, kv)
     if on_gpu() if warm_every_prompt is None else warm_every_prompt:
         for p in tqdm(prompts, desc="warm-up", unit=" prompt", disable=not progress):
-            run_mlx_lm(session, p, max_tokens, sampling)
+            run_mlx_lm(session, p, max_tokens, sampling, kv)
     runs = []
     for i, p in enumerate(tqdm(prompts, desc="bench", unit=" prompt", disable=not progress)):
         order = names[i % len(names):] + names[: i % len(names)]
         for n in order:
-            runs.append(_one(session, drafters, n, p, max_tokens, sampling))
+            runs.append(_one(session, drafters, n, p, max_tokens, sampling, kv))
     return runs
 
 
-def _one(session, drafters, name, prompt, max_tokens, sampling=None) -> Run:
+def _one(session, drafters, name, prompt, max_tokens, sampling=None, kv=None) -> Run:
     if name == MLX_LM:
-        return run_mlx_lm(session, prompt, max_tokens, sampling)
+        return run_mlx_lm(session, prompt, max_tokens, sampling, kv)
     return run_engine(session, drafters[name], prompt, max_tokens, label=name, sampling=sampling)
 
 

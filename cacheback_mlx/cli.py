@@ -126,6 +126,21 @@ def sampling_options(fn):
     return fn
 
 
+def kv_options(fn):
+    """mlx-lm's K/V cache quantization options (generate_step's kv_bits, kv_group_size, quantized_kv_start)."""
+    for option in reversed([
+            click.option("--kv-bits", type=int, default=None,
+                         help="Keep the K/V cache in this many bits once it holds --quantized-kv-start tokens, as "
+                              "mlx-lm's --kv-bits (default: full precision). Past that point the output is not "
+                              "always mlx-lm's token for token (README, \"Where things were measured\")."),
+            click.option("--kv-group-size", type=int, default=64, show_default=True,
+                         help="Group size of the K/V cache quantization."),
+            click.option("--quantized-kv-start", type=int, default=5000, show_default=True,
+                         help="Cached tokens from which the K/V cache is quantized (with --kv-bits).")]):
+        fn = option(fn)
+    return fn
+
+
 def adapter_option(fn):
     return click.option("--adapter-path", default=None,
                         help="Fine-tuned adapters on the model: the folder mlx_lm.lora wrote (adapter_config.json, "
@@ -174,12 +189,13 @@ def main():
 @click.option("--stats", is_flag=True, help="Print tokens, passes, MAT and speed to stderr.")
 @click.option("--json-schema", default=None, help="Keep the answer to this JSON schema (inline JSON, or a file).")
 @click.option("--grammar", default=None, help="Keep the answer to this GBNF grammar (llama.cpp's; inline, or a file).")
+@kv_options
 @adapter_option
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
              top_k, min_p, seed, extra_eos, repetition_penalty, repetition_window, chat, system, stats, json_schema,
-             grammar, adapter_path, distributed):
+             grammar, kv_bits, kv_group_size, quantized_kv_start, adapter_path, distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
     from .constrained import Constrained, check, grammar_of
     from .sampling import SamplingParams, penalties
@@ -198,6 +214,7 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)  # checked first
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     session.add_eos_tokens(extra_eos)
+    session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if prompt == "-":
         prompt = sys.stdin.read()
     ids = session.encode(prompt, chat=chat, system=system)
@@ -227,11 +244,13 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @click.option("--max-tokens", "-n", default=512, show_default=True)
 @sampling_options
 @penalty_option
+@kv_options
 @adapter_option
 @distributed_option
 @user_errors
 def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, min_p,
-         seed, extra_eos, repetition_penalty, repetition_window, adapter_path, distributed):
+         seed, extra_eos, repetition_penalty, repetition_window, kv_bits, kv_group_size, quantized_kv_start,
+         adapter_path, distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .chat import run_chat
     from .sampling import SamplingParams, penalties
@@ -240,6 +259,7 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
                               logits_processors=penalties(repetition_penalty, window=repetition_window))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     session.add_eos_tokens(extra_eos)
+    session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     run_chat(session, system, max_tokens, sampling)
 
 
@@ -363,11 +383,13 @@ def build_datastore(corpus, out, model, dtype):
 @click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: top-k (0: off).")
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="With --temperature: min-p.")
 @penalty_option
+@kv_options
 @adapter_option
 @user_errors
 def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, max_tokens, drafters, drafter_args,
           draft_budget, warmup, seed, no_mlx_lm, data, json_out, plot_out, verify_cost, contexts, record_dir,
-          forced_dir, temperature, top_p, top_k, min_p, repetition_penalty, repetition_window, adapter_path):
+          forced_dir, temperature, top_p, top_k, min_p, repetition_penalty, repetition_window, kv_bits, kv_group_size,
+          quantized_kv_start, adapter_path):
     """Speed of drafters vs plain decoding vs mlx-lm, per Spec-Bench column and HumanEval."""
     import datetime
     import platform
@@ -394,9 +416,12 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
                                  "no --repetition-penalty")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   logits_processors=processors)
+    if kv_bits is not None and (record_dir or forced_dir or verify_cost):
+        raise CachebackError("--kv-bits goes with a plain bench only (not --record, --forced or --verify-cost)")
     recording = R.load_recording(forced_dir) if forced_dir else None
     session = Session(model, "none", dtype=dtype, draft_budget=draft_budget, fixed_budget=True,
                       adapter_path=adapter_path)
+    session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if recording is not None and recording.get("fingerprint") != session.fingerprint:
         raise CachebackError(f"{forced_dir} was recorded with another tokenizer ({recording.get('model')}); "
                              "a forced run needs the same vocabulary")
@@ -432,6 +457,8 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
                             "seeded per question")
     if processors:
         meta["repetition_penalty"] = f"{repetition_penalty} over {repetition_window} tokens"
+    if kv_bits is not None:
+        meta["kv_cache"] = f"{kv_bits} bits, group {kv_group_size}, from {quantized_kv_start} tokens"
     if recording is None:
         plist = B.select_prompts(sets, per_category, humaneval_prompts, categories.split(",") if categories else None,
                                  seed, Path(data) if data else B.DATA)
@@ -504,6 +531,12 @@ def bench(model, dtype, prompts, categories, per_category, humaneval_prompts, ma
         click.echo("note: a pass's logits differ from a step's by rounding, and a sampled draw can fall near enough to "
                    "the boundary between two tokens to be moved across it; each text is a draw from the model's "
                    "distribution", err=True)
+    elif bad and kv_bits is not None:  # rounding moved across a quantization step (README)
+        for m in bad + [m for m in mlx_diff if m.startswith("none ")]:
+            click.echo(f"note: K/V quantized, {m}", err=True)
+        click.echo("note: a pass's keys and values differ from a step's in their last bits, and quantizing can round "
+                   "them to different steps; past the point where the cache turns quantized the tokens can part",
+                   err=True)
     elif bad:
         for m in bad:
             click.echo(f"LOSSLESS CHECK FAILED: {m}", err=True)

@@ -21,6 +21,7 @@ only when accepted whole; otherwise it is undone and its accepted tokens lead th
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -72,6 +73,40 @@ def run_ahead_default() -> bool:
     CACHEBACK_MLX_RUN_AHEAD says 0 or 1."""
     env = os.environ.get(RUN_AHEAD_ENV, "")
     return env == "1" if env in ("0", "1") else on_gpu()
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def kv_quantization_refusal(model, cache: ModelCache, group_size: int, sharded: bool) -> str | None:
+    """Why this model's K/V cannot be quantized as mlx-lm's generate_step would (None: it can):
+    its quantized caches go through mlx-lm's shared attention function only, and mlx-lm cannot
+    quantize a sliding-window cache. A model with no full-attention cache of its own at the
+    top level (recurrent only; layers keeping a CacheList) keeps its caches as they are, as with
+    mlx-lm."""
+    from .attention import scaled_dot_product_attention, stock
+    from .kvcache import TreeKVCache, WindowKVCache
+    from .positions import model_modules
+
+    if sharded:
+        return "a model sharded over processes"
+    if any(isinstance(c, WindowKVCache) for c in cache.layers):
+        return "sliding-window layers (mlx-lm cannot quantize them either)"
+    if not any(type(c) is TreeKVCache for c in cache.layers):
+        return None
+    modules = [sys.modules.get(name) for name in model_modules(model)]
+    if not any(getattr(m, "scaled_dot_product_attention", None) in (stock, scaled_dot_product_attention)
+               for m in modules if m is not None):
+        return "its attention does not go through mlx-lm's shared attention, which reads quantized caches"
+    probe = ModelCache(model)  # one token through caches of its own: the keys' and values' sizes
+    model(mx.array([[0]], dtype=mx.int32), cache=probe.layers)
+    sizes = sorted({a.shape[-1] for c in probe.layers if type(c) is TreeKVCache for a in (c.keys, c.values)})
+    if any(size % group_size for size in sizes):
+        fits = [g for g in KV_GROUP_SIZES if all(size % g == 0 for size in sizes)]
+        return (f"--kv-group-size {group_size} does not divide its head size ({', '.join(map(str, sizes))})"
+                + (f"; try {fits[-1]}" if fits else ""))
+    return None
 
 
 MAX_DRAFT = 63  # the most draft tokens a per-step budget may choose (63 + the root = one GPU bucket)
@@ -237,6 +272,30 @@ class Engine:
         self.watchers: list = []  # called with each PassEvent (watch)
         self.set_run_ahead(run_ahead)
         self.set_prompt_layout()
+        self.kv_quant: tuple[int, int, int] | None = None  # set_kv_quantization
+
+    def set_kv_quantization(self, bits: int | None, group_size: int = 64, start: int = 5000) -> None:
+        """Quantize the keys and values as mlx-lm's generate_step does with kv_bits, kv_group_size and
+        quantized_kv_start (its --kv-bits, --kv-group-size, --quantized-kv-start): once a request's
+        caches hold `start` positions they are kept in `bits` bits, at the same point as mlx-lm's.
+        Up to that point the output is mlx-lm's; past it, only where the engine's keys and values
+        quantize as mlx-lm's do: a pass's differ from a one-row step's in their last bits, and
+        rounding to a few bits can put them a step apart (README, "Where things were measured").
+        None: full precision (the default). A model whose K/V mlx-lm would not quantize so (sliding
+        windows, an attention of its own, a head size the group does not divide) gets a one-line
+        CachebackError."""
+        if (None if bits is None else (bits, group_size, start)) == self.kv_quant:
+            return
+        if bits is not None:
+            if bits not in KV_BITS or group_size not in KV_GROUP_SIZES:
+                raise CachebackError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))} and --kv-group-size "
+                                     f"one of {', '.join(map(str, KV_GROUP_SIZES))} (got {bits}, {group_size})")
+            if start < 0:
+                raise CachebackError(f"--quantized-kv-start must be >= 0 (got {start})")
+            why = kv_quantization_refusal(self.model, self.seq.cache, group_size, self.peers is not None)
+            if why:
+                raise CachebackError(f"{self.seq.cache.family}: K/V quantization is not supported here: {why}")
+        self.kv_quant = None if bits is None else (bits, group_size, start)  # each request's caches take it (_start)
 
     def set_eos(self, ids: Seq[int]) -> None:
         """The tokens that end a generation (the model's own end-of-sequence tokens, and any more)."""
@@ -345,8 +404,11 @@ class Engine:
         chunks done kept in the slot's cache, so the same prompt later goes on from them."""
         t0 = time.perf_counter()
         self.seq = self.slots.take(self.slots.choose(prompt, slot), self.model)
+        self.seq.cache.set_kv_quantization(*(self.kv_quant or (None,)))
         # also repairs a cache left ahead by an interrupted pass; 0 if the cache cannot cut back
         keep = self._trim(common_prefix(self.seq.cached, prompt[:-1]))
+        self.seq.cache.plan_quantization(len(prompt), MLX_LM_PREFILL_CHUNK)
+        tail = tail and self.seq.cache.rows_before_quantizing() is None  # mlx-lm's last prompt token goes alone
         n = self.planner.lead_tail(len(prompt) - keep, keep) if tail else 1
         split = len(prompt) - max(1, min(n, len(prompt) - keep))
         done = self._prefill(prompt[keep:split], stop)
@@ -388,6 +450,8 @@ class Engine:
 
     def _prefill(self, tokens: list[int], stop=None) -> int:
         chunk = self.chunk_rule()
+        if self.seq.cache.rows_before_quantizing() is not None:  # no chunk spans the point (set_kv_quantization)
+            chunk = self._chunk_to_quantize(chunk)
         if self.peers is None:
             return prefill(self.model, self.seq.cache, tokens, chunk, timed=self._prefilled, stop=stop)
         i = 0
@@ -401,6 +465,15 @@ class Engine:
                 prefill(self.model, self.seq.cache, part)
             self._ran(PassEvent("prefill", len(part), cached, time.perf_counter() - t0))
         return len(tokens)
+
+    def _chunk_to_quantize(self, rule):
+        cache = self.seq.cache
+
+        def chunk(cached: int, left: int) -> int:
+            size = rule(cached, left) if callable(rule) else rule
+            room = cache.rows_before_quantizing()
+            return size if room is None or room <= 0 else min(size, room)
+        return chunk
 
     def _verify(self, lead: list[int], tree: DraftTree, size: int) -> mx.array:
         """One pass over lead + tree, padded to `size` rows."""
@@ -422,6 +495,15 @@ class Engine:
             return
         self.slots.clear()
         self.slots = Slots(n, self.seq, max_bytes)
+
+    def _room_to_quantize(self, lead: int) -> int:
+        """Drafts a pass may take so that none of its rows lies past the point where the caches turn
+        quantized (set_kv_quantization); on a model whose pass may be undone, none of its
+        accepted tokens either (they would lead the next pass across it)."""
+        room = self.seq.cache.rows_before_quantizing()
+        if room is None:
+            return MAX_DRAFT
+        return max(0, room - lead - (1 if self.seq.cache.recurrent else 0))
 
     def draft(self, drafter: Drafter, history: list[int], budget: int) -> DraftTree:
         """The drafter's tree after `history`: at most `budget` nodes, ids this model has, a chain
@@ -497,7 +579,8 @@ class Engine:
                     lead = seq.lead
                     budget = plan.draft_cap(len(lead), len(seq.cached),
                                             min(max_tokens - stats.tokens - 1,
-                                                self.context_length - len(seq.cached) - len(lead) - 1))
+                                                self.context_length - len(seq.cached) - len(lead) - 1,
+                                                self._room_to_quantize(len(lead))))
                     t0 = time.perf_counter()
                     tree = self.draft(self.drafter, seq.history, budget)
                     plan.drafted(budget, time.perf_counter() - t0)
@@ -590,7 +673,10 @@ class Engine:
                 # the same tokens in the same chunks with any drafter, as the bits of half precision on
                 # a GPU need (a product's bits depend on its rows)
                 fed = len(prompt) + stats.tokens - (stats.stop_token is None)
-                if len(seq.cached) > fed and not seq.cache.recurrent:
+                if seq.cache.quantized_past(fed):  # turned quantized where plain decoding did not
+                    seq.cached.clear()
+                    self._trim(0)
+                elif len(seq.cached) > fed and not seq.cache.recurrent:
                     del seq.cached[fed:]
                     self._trim(fed)
                 stats.decode_s = time.perf_counter() - t_start

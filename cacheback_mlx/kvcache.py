@@ -16,6 +16,9 @@ what the model expects. `wrap` is the one place that decides how each kind is wr
                       of the next pass (engine.py)
   CacheList        -> the same list of wrapped caches
 Any other kind (quantized, chunked, rotating with `keep`) is refused with a one-line error.
+A model's own quantized caches are not taken; quantizing the K/V is the engine's to ask
+(`ModelCache.set_kv_quantization`, mlx-lm's --kv-bits): TreeKVCache -> QuantizedTreeKVCache at
+the point where mlx-lm's generate_step would convert its caches.
 Attention over these caches goes through attention.py, which on the CPU gives passes of several
 rows a faster softmax (mlx-lm's own caches keep MLX's kernel).
 """
@@ -24,10 +27,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
     create_attention_mask,
     make_prompt_cache,
@@ -120,6 +125,42 @@ class TreeKVCache(KVCache):
     def clear(self) -> None:
         self.keys = self.values = None
         self.offset = 0
+
+    def to_quantized(self, group_size: int, bits: int) -> "QuantizedTreeKVCache":
+        """This cache's positions quantized as mlx-lm's KVCache.to_quantized does (each position's
+        keys and values in groups along the head dimension)."""
+        q = QuantizedTreeKVCache(self.tree_pass, group_size, bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            if self.keys.shape[-1] % group_size or self.values.shape[-1] % group_size:
+                raise CachebackError(f"--kv-group-size {group_size} does not divide this model's head size "
+                                     f"({self.keys.shape[-1]}); try 32")
+            q.keys = mx.quantize(self.keys, group_size=group_size, bits=bits)
+            q.values = mx.quantize(self.values, group_size=group_size, bits=bits)
+        return q
+
+
+class QuantizedTreeKVCache(TreeKVCache):
+    """mlx-lm's QuantizedKVCache (keys and values as (data, scales, biases), quantized as they
+    come; attention through mlx-lm's quantized path, which reads `bits` and `group_size`) that
+    rolls back like TreeKVCache and takes its masks from the current TreePass."""
+
+    fast_attention = False  # mlx-lm's quantized attention
+
+    def __init__(self, tree_pass: TreePass, group_size: int, bits: int):
+        super().__init__(tree_pass)
+        self.group_size, self.bits = group_size, bits
+
+    update_and_fetch = QuantizedKVCache.update_and_fetch
+    keys_and_values = QuantizedKVCache.keys_and_values
+
+    def fit(self) -> None:
+        """Nothing: mlx-lm's quantized buffers grow as they do."""
+
+    def move_rows(self, src: mx.array, dst: mx.array) -> None:
+        for parts in (self.keys, self.values):
+            for a in parts:
+                a[..., dst, :] = a[..., src, :]
 
 
 class WindowKVCache(TreeKVCache):
@@ -272,6 +313,21 @@ def wrap(cache, tree_pass: TreePass, family: str, capture: Capture | None = None
     raise CachebackError(f"{family}: layer cache {what} is not supported for exact speculative decoding")
 
 
+def quantize_point(start: int, cached: int, prompt_length: int, chunk: int = 2048) -> int:
+    """The cache length at which mlx-lm's generate_step turns the caches quantized: the end of its
+    first model call that leaves at least `start` positions, for a prompt of `prompt_length` tokens
+    of which the caches hold `cached`: chunks of `chunk` (its prefill_step_size) up to the
+    prompt's last token, which goes alone in the first step, then a token a step."""
+    last = prompt_length - 1
+    if cached < last:
+        end = cached + max(1, -(-(start - cached) // chunk)) * chunk  # the first chunk's end at or past start
+        if end < last:
+            return end
+        if last >= start:
+            return last
+    return max(start, prompt_length)
+
+
 def cache_leaves(caches):
     for c in caches:
         if isinstance(c, CacheList):
@@ -294,12 +350,62 @@ class ModelCache:
         self.capture = plan(model, count(raw))  # None: recurrent layers are undone by snapshot only
         stacks = stacks or [None] * len(raw)
         self.layers = [wrap(c, self.tree_pass, self.family, self.capture, k, row) for c, k in zip(raw, stacks)]
-        leaves = list(cache_leaves(self.layers))
-        self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
-        self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
+        self._index()
         self.shared_layers = max(len(getattr(model, "layers", raw)) - len(raw), 0)
         self.length = 0  # tokens whose effect is in every cache
         self.in_pass = False  # a pass began and was not finished (interrupted)
+        self.kv_quant: tuple[int, int, int] | None = None  # (bits, group size, start): set_kv_quantization
+        self.quantize_at: int | None = None  # the length at which this request's caches turn quantized
+        self.quantized_at = 0  # the length at which they did
+
+    def _index(self) -> None:
+        leaves = list(cache_leaves(self.layers))
+        self.kv = [c for c in leaves if isinstance(c, TreeKVCache)]
+        self.recurrent = [c for c in leaves if isinstance(c, RecurrentCache)]
+
+    # K/V quantization, as mlx-lm's generate_step does it (kv_bits, kv_group_size, quantized_kv_start):
+    # after each of its model calls, a cache holding at least `start` positions turns quantized, its
+    # positions quantized then and every later one as it comes. Only the model's top-level
+    # full-attention caches (mlx-lm's converts those with a to_quantized; a CacheList's stay as
+    # they are). A call of the engine never spans the point where mlx-lm's turns quantized
+    # (rows_before_quantizing), so every position sees the keys in the precision mlx-lm's did.
+    def set_kv_quantization(self, bits: int | None, group_size: int = 64, start: int = 5000) -> None:
+        want = None if bits is None else (int(bits), int(group_size), max(int(start), 0))
+        if not any(type(c) in (TreeKVCache, QuantizedTreeKVCache) for c in self.layers):
+            want = None  # nothing that mlx-lm would quantize (recurrent layers; CacheLists)
+        if want != self.kv_quant and self.quantized and (want is None or want[:2] != self.kv_quant[:2]):
+            self.trim(0)  # caches quantized otherwise than asked: start afresh
+        self.kv_quant = want
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(c, QuantizedTreeKVCache) for c in self.layers)
+
+    def plan_quantization(self, prompt_length: int, chunk: int = 2048) -> None:
+        """At the start of a request whose prompt the caches hold up to `self.length`: where the
+        caches turn quantized (None: they are already, or never are)."""
+        self.quantize_at = None
+        if self.kv_quant is not None and not self.quantized:
+            self.quantize_at = quantize_point(self.kv_quant[2], self.length, prompt_length, chunk)
+
+    def rows_before_quantizing(self) -> int | None:
+        """Positions a call may still add before the caches turn quantized (None: no such point)."""
+        if self.quantize_at is None or self.quantized:
+            return None
+        return self.quantize_at - self.length
+
+    def _maybe_quantize(self) -> None:
+        if self.quantize_at is None or self.length < self.quantize_at or self.quantized:
+            return
+        bits, group_size, _ = self.kv_quant
+        self.layers = [c.to_quantized(group_size, bits) if type(c) is TreeKVCache else c for c in self.layers]
+        self._index()
+        self.quantized_at = self.length
+
+    def quantized_past(self, length: int) -> bool:
+        """Whether the caches turned quantized after their first `length` positions (a pass kept
+        tokens past what plain decoding fed: cutting back to it cannot undo the turn)."""
+        return self.quantized and self.quantized_at > length
 
     def describe(self) -> dict[str, int]:
         """How many layer caches of each kind (for `doctor --model`)."""
@@ -312,7 +418,7 @@ class ModelCache:
         return out
 
     def arrays(self) -> list:
-        out = [a for c in self.kv for a in (c.keys, c.values) if a is not None]
+        out = [a for c in self.kv for _, a in tree_flatten((c.keys, c.values)) if a is not None]
         return out + [a for c in self.recurrent for a in c.cache if a is not None]
 
     def trim(self, length: int) -> int:
@@ -331,6 +437,10 @@ class ModelCache:
         if length == 0:
             for c in self.recurrent:
                 c.clear()
+            if self.quantized:  # an empty cache is a fresh one, as a new generate_step's
+                self.layers = [TreeKVCache(self.tree_pass) if isinstance(c, QuantizedTreeKVCache) else c
+                               for c in self.layers]
+                self._index()
         self.length = length
         return length
 
@@ -370,6 +480,7 @@ class ModelCache:
         for c in self.kv:
             c.trim_to(base + n)
         self.length = base + (n if committed is None else committed)
+        self._maybe_quantize()
         return True
 
     def _keep_prefix(self, rows: list[int], committed: int | None) -> bool:
@@ -408,3 +519,4 @@ class ModelCache:
         self.length += n
         self.in_pass = False
         self._end_capture()
+        self._maybe_quantize()

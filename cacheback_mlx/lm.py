@@ -80,15 +80,19 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
     if kwargs.get("sampler") is not None:
         raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler")
     unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
-                             "prompt_progress_callback", "num_draft_tokens"}
-    if unknown or kwargs.get("draft_model") is not None:
-        raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown)) or 'draft_model'}")
+                             "prompt_progress_callback", "num_draft_tokens", "kv_bits", "kv_group_size",
+                             "quantized_kv_start"}
+    unknown |= {k for k in ("draft_model", "max_kv_size") if kwargs.get(k) is not None}
+    if unknown:
+        raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown))}")
     if max_tokens == 0:
         raise CachebackError("max_tokens must be non-zero (use -1 for no limit)")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                               logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
     session = _session(model, tokenizer, drafter, draft_budget)
     session.engine.set_eos(tokenizer.eos_token_ids)  # as mlx-lm reads them at each call (add_eos_token)
+    session.engine.set_kv_quantization(kwargs.get("kv_bits"), kwargs.get("kv_group_size", 64),
+                                       kwargs.get("quantized_kv_start", 5000))
     if isinstance(prompt, str):
         bos = getattr(tokenizer, "bos_token", None)
         ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))

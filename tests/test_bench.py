@@ -105,7 +105,7 @@ def test_engine_runs_interleave_and_match_on_a_tiny_model(tmp_path, monkeypatch)
     assert len(out) == 3 * 4 and not B.mismatches(out)
     warmed = []
     run_mlx_lm = B.run_mlx_lm
-    monkeypatch.setattr(B, "run_mlx_lm", lambda s, p, n, sampling=None: (warmed.append(p.id), run_mlx_lm(s, p, n))[1])
+    monkeypatch.setattr(B, "run_mlx_lm", lambda s, p, n, *args: (warmed.append(p.id), run_mlx_lm(s, p, n))[1])
     # on a GPU every prompt first runs once untimed (not on the CPU unless asked)
     again = B.run_bench(session, prompts[:2], {"none": drafters["none"]}, max_tokens=4, warmup=0, progress=False,
                         warm_every_prompt=True)

@@ -316,9 +316,21 @@ def _copy(x):
     return x
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
-    """A tiny randomly initialised mlx-lm model of `family` (float32, eval mode, params evaluated)."""
+def wide_heads(family: str) -> dict:
+    """Changes to `family`'s config giving its attention heads 32 dimensions (16 in FAMILIES), so
+    its keys and values can be quantized in groups of 32 (mx.quantize's smallest)."""
+    config = _config(family)
+    inner = config.get("text_config", config)
+    if "head_dim" in inner:
+        return {"head_dim": 32}
+    return {"num_attention_heads": inner["hidden_size"] // 32, "num_key_value_heads": 1}
+
+
+def tiny_model(family: str, seed: int = 0, **changes) -> nn.Module:
+    """A tiny randomly initialised mlx-lm model of `family` (float32, eval mode, params evaluated);
+    `changes` to its config (to its text_config where it has one)."""
     config = _copy(_config(family))  # ModelArgs.__post_init__ may mutate nested dicts
+    config.get("text_config", config).update(changes)
     mx.random.seed(seed)
     module = module_for(family)
     model = module.Model(module.ModelArgs.from_dict(config))
