@@ -432,6 +432,8 @@ class ModelCache:
         length = min(length, self.length)
         if length < self.length and (self.recurrent or not all(c.can_trim_to(length) for c in self.kv)):
             length = 0
+        if self.quantized and length < self.quantized_at:  # full precision there in a fresh request's caches
+            length = 0
         for c in self.kv:
             c.clear() if length == 0 else c.trim_to(length)
         if length == 0:

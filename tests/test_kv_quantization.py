@@ -130,6 +130,27 @@ def test_a_second_turn_continues_on_the_quantized_cache_as_mlx_lm_does():
         assert eng.stats.prefill_tokens == len(follow) - 1 - fed  # the cache was reused
 
 
+def test_a_request_sharing_less_than_the_quantized_part_starts_afresh():
+    """A next request whose prompt parts from the cached tokens before the point where the caches
+    turned quantized: those positions are full precision in a fresh request's caches, so its output
+    is generate_step's on a fresh cache, not on the quantized one cut back (mlx-lm's own output
+    differs on that one). (Parting after the point, it is reused: the test above.)"""
+    model = zoo.tiny_model("llama", **zoo.wide_heads("llama"))
+    start = 30
+    first = reference(model, PROMPT, N, 4, start)
+    eng = engine(model, OracleDrafter(PROMPT, first), 4, start)
+    assert run(eng) == first and eng.seq.cache.quantized_at == start
+    other = PROMPT[:12] + [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    truth = reference(model, other, N, 4, start)
+    cut = make_prompt_cache(model)  # mlx-lm's quantized cache cut back to the shared part
+    reference(model, PROMPT, N, 4, start, cache=cut)
+    trim_prompt_cache(cut, cut[0].offset - 12)
+    assert reference(model, other[12:], N, 4, start, cache=cut) != truth  # the cut-back cache would mislead
+    eng.set_drafter(RandomTreeDrafter(other, truth, seed=1))
+    assert run(eng, other) == truth
+    assert eng.stats.prefill_tokens == len(other) - 1  # nothing reused
+
+
 def test_models_mlx_lm_cannot_quantize_get_one_line_errors():
     cases = {"gemma3_text": "sliding-window", "gemma2": "attention", "mistral": "sliding-window"}
     for name, needle in cases.items():
