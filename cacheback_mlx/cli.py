@@ -132,7 +132,7 @@ def kv_options(fn):
             click.option("--kv-bits", type=int, default=None,
                          help="Keep the K/V cache in this many bits once it holds --quantized-kv-start tokens, as "
                               "mlx-lm's --kv-bits (default: full precision). Past that point the output is not "
-                              "always mlx-lm's token for token (README, \"Where things were measured\")."),
+                              "always mlx-lm's token for token (README, \"K/V cache quantization\")."),
             click.option("--kv-group-size", type=int, default=64, show_default=True,
                          help="Group size of the K/V cache quantization."),
             click.option("--quantized-kv-start", type=int, default=5000, show_default=True,

@@ -280,7 +280,7 @@ class Engine:
         caches hold `start` positions they are kept in `bits` bits, at the same point as mlx-lm's.
         Up to that point the output is mlx-lm's; past it, only where the engine's keys and values
         quantize as mlx-lm's do: a pass's differ from a one-row step's in their last bits, and
-        rounding to a few bits can put them a step apart (README, "Where things were measured").
+        rounding to a few bits can put them a step apart (README, "K/V cache quantization").
         None: full precision (the default). A model whose K/V mlx-lm would not quantize so (sliding
         windows, an attention of its own, a head size the group does not divide) gets a one-line
         CachebackError."""

@@ -3,8 +3,8 @@ turn quantized where mlx-lm's do, on every family mlx-lm can quantize, and whate
 engine's output equals mlx-lm's generate_step with the same settings on these tiny shapes (where a
 pass's keys and values quantize as a one-row step's do, with OpenBLAS and with MLX's own BLAS): a
 strict check of the point and of rollback over quantized caches. At real sizes a pass's keys and
-values can differ from a step's in the last bits and round to another step (README, "Where things
-were measured"). The rest is a one-line error."""
+values can differ from a step's in the last bits and round to another step (README, "K/V cache
+quantization"; docs/BENCHMARKS.md §23). The rest is a one-line error."""
 
 from cacheback_mlx import lm
 from cacheback_mlx.drafters.base import NoDrafter
