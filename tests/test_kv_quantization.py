@@ -253,3 +253,21 @@ def test_bench_quantizes_the_engine_s_and_mlx_lm_s_caches_alike(tiny_path, tiny,
     assert runs["mlx-lm"] == runs["none"] == runs["ngram"] == theirs[:len(runs["none"])] and len(runs["none"]) > 8
     bad = cli("bench", "--model", tiny_path, "--verify-cost", "--kv-bits", "4")
     assert bad.exit_code == 1 and "--kv-bits goes with a plain bench" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_the_default_model_s_tokens_are_mlx_lm_s_up_to_the_point(default_model):
+    """On the real default model the caches turn where mlx-lm's do and every token computed before
+    that equals mlx-lm's, drafts or not (past it, README "K/V cache quantization")."""
+    from cacheback_mlx.drafters import make_drafter
+
+    model, tok = default_model.model, default_model.tokenizer
+    ids = list(tok.encode("def bubble_sort(items):\n    \"\"\"Sort a list in place.\"\"\"\n    n = len(items)\n"))
+    start, n = len(ids) + 12, 20
+    theirs = reference(model, ids, n, 4, start, group_size=64)
+    exact = start - len(ids) + 1  # tokens computed before the caches turned
+    for name in ("auto", "ngram"):
+        eng = Engine(model, [], make_drafter(name), default_model.context_length)
+        eng.set_kv_quantization(4, 64, start)
+        assert run(eng, ids, n)[:exact] == theirs[:exact], name
+        assert eng.seq.cache.quantized_at == start, name
