@@ -14,7 +14,10 @@ values within a pass's rounding; computed only when read). Differences: `from_dr
 tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / min_p / seed instead
 of a `sampler` callable (sample-and-match needs the distribution itself). `logits_processors`
 (mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
-pass with the tokens before its own position (sampling.processed_rows).
+pass with the tokens before its own position (sampling.processed_rows). `prompt_cache` (a list from
+mlx-lm's make_prompt_cache) carries a conversation as in mlx-lm: each call's prompt continues what
+the list holds (prompt_cache.py: the keys and values stay in the engine's caches; trim with
+trim_prompt_cache from here).
 """
 
 from __future__ import annotations
@@ -25,10 +28,15 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from . import prompt_cache
 from .api import DEFAULT_DRAFTER, Session, load_cached
 from .errors import CachebackError
 from .loader import LoadedModel
+from .prompt_cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from .sampling import SamplingParams
+
+__all__ = ["load", "stream_generate", "generate", "batch_generate", "make_prompt_cache", "trim_prompt_cache",
+           "can_trim_prompt_cache", "GenerationResponse", "BatchResponse"]
 
 _sessions: dict[int, Session] = {}  # id(model) -> its Session (checked: same model object)
 _loaded: dict[int, LoadedModel] = {}  # id(model) -> how it was loaded
@@ -81,7 +89,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
         raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler")
     unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
                              "prompt_progress_callback", "num_draft_tokens", "kv_bits", "kv_group_size",
-                             "quantized_kv_start"}
+                             "quantized_kv_start", "prompt_cache"}
     unknown |= {k for k in ("draft_model", "max_kv_size") if kwargs.get(k) is not None}
     if unknown:
         raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown))}")
@@ -89,6 +97,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
         raise CachebackError("max_tokens must be non-zero (use -1 for no limit)")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                               logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
+    cache = kwargs.get("prompt_cache")
+    before = prompt_cache.held(model, cache) if cache is not None else []  # the conversation so far
     session = _session(model, tokenizer, drafter, draft_budget)
     session.engine.set_eos(tokenizer.eos_token_ids)  # as mlx-lm reads them at each call (add_eos_token)
     session.engine.set_kv_quantization(kwargs.get("kv_bits"), kwargs.get("kv_group_size", 64),
@@ -99,35 +109,53 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
     else:
         ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     limit = session.loaded.context_length if max_tokens < 0 else max_tokens
+    given: list[int] = []  # the tokens handed out: with the prompt, what the prompt cache then holds
+    try:
+        yield from _responses(session, tokenizer, before + ids, len(ids), limit, sampling, given)
+    finally:
+        if cache is not None:
+            prompt_cache.hold(cache, before + ids + given)
+
+
+def _responses(session: Session, tokenizer, ids: list[int], prompt_tokens: int, limit: int,
+               sampling: SamplingParams, given: list[int]) -> Iterator[GenerationResponse]:
+    """mlx-lm's responses for a generation from `ids` (of which the last `prompt_tokens` are this
+    call's prompt); each token handed out is added to `given`."""
     detok = tokenizer.detokenizer
     detok.reset()
     eng, n, last = session.engine, 0, None
     tic = time.perf_counter()
+
+    def out(r: GenerationResponse) -> GenerationResponse:
+        given.append(r.token)
+        return r
+
     for step in eng.generate(ids, limit, sampling):
         for i, token in enumerate(step):
             n += 1
             detok.add_token(token)
             if last is not None:
-                yield last
+                yield out(last)
             stats = eng.stats
-            last = GenerationResponse(detok.last_segment, int(token), step.logprobs[i], i < len(step) - 1, len(ids),
-                                      _prompt_tps(stats), n, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
+            last = GenerationResponse(detok.last_segment, int(token), step.logprobs[i], i < len(step) - 1,
+                                      prompt_tokens, _prompt_tps(stats), n,
+                                      n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
                                       mx.get_peak_memory() / 1e9, None, stats.passes, stats.mat)
     stats = eng.stats
     detok.finalize()
     stop = stats.stop_token
     if stop is not None:  # mlx-lm ends with the EOS token itself, finish_reason "stop"
         if last is not None:
-            yield last
-        last = GenerationResponse(detok.last_segment, stop, stats.stop_logprobs, False, len(ids), _prompt_tps(stats),
-                                  n + 1, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
+            yield out(last)
+        last = GenerationResponse(detok.last_segment, stop, stats.stop_logprobs, False, prompt_tokens,
+                                  _prompt_tps(stats), n + 1, n / max(time.perf_counter() - tic - stats.prefill_s, 1e-9),
                                   mx.get_peak_memory() / 1e9, "stop", stats.passes, stats.mat)
     elif last is not None:
         last.text += detok.last_segment
         last.finish_reason = "length"
         last.passes, last.mat = stats.passes, stats.mat
     if last is not None:
-        yield last
+        yield out(last)
 
 
 def _prompt_tps(stats) -> float:

@@ -1,5 +1,7 @@
 """The mlx-lm-shaped API (cacheback_mlx.lm) against mlx-lm's own stream_generate."""
 
+import random
+
 from cacheback_mlx import lm
 from cacheback_mlx.errors import CachebackError
 
@@ -144,3 +146,101 @@ def test_session_generate_batch_equals_its_generate(tmp_path):
         session.reset()
         alone.append(session.generate(p, 12, chat=False))
     assert session.generate_batch(prompts, 12, chat=False, lanes=2) == alone
+
+
+def conversation(gen, model, tokenizer, cache, turns, trim=None, **kw):
+    """Each turn's (token, finish_reason, prompt_tokens) from `gen` with one prompt cache: turn 1
+    is read for its first 3 tokens only (the caller stops early); before the last turn the cache
+    is trimmed with `trim` (returns what it dropped, appended to the output)."""
+    out = []
+    for i, (prompt, n) in enumerate(turns):
+        if i == len(turns) - 1 and trim is not None:
+            out.append(("trimmed", trim(cache, 5)))
+        got = []
+        for r in gen(model, tokenizer, prompt, max_tokens=n, prompt_cache=cache, **kw):
+            got.append((r.token, r.finish_reason, r.prompt_tokens))
+            if i == 1 and len(got) == 3:
+                break
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["auto", "pld", "none"])
+def test_a_conversation_in_a_prompt_cache_continues_as_in_mlx_lm(tiny, drafter):
+    """mlx-lm's prompt_cache: each call sends only its new tokens and the cache carries the rest
+    (earlier prompts, replies with their stop token, what a caller read before it stopped); the
+    tokens equal mlx-lm's at every turn, and a trim drops what mlx-lm's drops."""
+    from mlx_lm import generate as mlx_generate
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+    from mlx_lm.models.cache import trim_prompt_cache as mlx_trim
+
+    model, tokenizer = tiny
+    turns = [("abcabcabc abc", 20), ("hello hello", 7), ([3 + ord(c) for c in "x = 1\nx = 2\n"], 30), ("abc", 10)]
+    theirs = conversation(mlx_stream, model, tokenizer, mlx_make(model), turns, trim=mlx_trim)
+    cache = lm.make_prompt_cache(model)
+    ours = conversation(lm.stream_generate, model, tokenizer, cache, turns, trim=lm.trim_prompt_cache,
+                        drafter=drafter)
+    assert ours == theirs
+    assert theirs[0][-1][1] == "stop" and theirs[2][-1][1] == "length"  # both ways a turn ends
+    assert len(lm.prompt_cache.held(model, cache)) == sum(len(x) for x in ours if isinstance(x, list)) + sum(
+        len(tokenizer.encode(p)) if isinstance(p, str) else len(p) for p, _ in turns) - 5
+    mine, theirs_cache = lm.make_prompt_cache(model), mlx_make(model)
+    for prompt in ("abcabc", "hello"):  # generate() takes it too
+        assert (lm.generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=mine, drafter=drafter)
+                == mlx_generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=theirs_cache))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "qwen3_next", "falcon_h1"])
+def test_a_prompt_cache_conversation_equals_mlx_lm_s_on_other_families(tiny, family):
+    """Sliding windows (a trim past the window drops nothing, as in mlx-lm) and recurrent layers
+    (nothing trims)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+    from mlx_lm.models.cache import trim_prompt_cache as mlx_trim
+
+    import zoo
+
+    model, tokenizer = zoo.tiny_model(family), tiny[1]
+    rng = random.Random(7)
+    turns = [([rng.randrange(3, zoo.VOCAB) for _ in range(k)], n) for k, n in ((9, 12), (5, 8), (3, 10), (4, 6))]
+    theirs = conversation(mlx_stream, model, tokenizer, mlx_make(model), turns, trim=mlx_trim)
+    ours = conversation(lm.stream_generate, model, tokenizer, lm.make_prompt_cache(model), turns,
+                        trim=lm.trim_prompt_cache, drafter="auto")
+    assert ours == theirs
+    assert family not in zoo.HYBRID + zoo.SLIDING or theirs[-2] == ("trimmed", 0)
+
+
+def test_a_prompt_cache_it_cannot_continue_is_a_one_line_error(tiny):
+    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+    import zoo
+
+    model, tokenizer = tiny
+    filled = mlx_make(model)
+    list(mlx_stream(model, tokenizer, "abc", max_tokens=2, prompt_cache=filled))
+    other = zoo.tiny_model("qwen3_next")  # (an empty list of as many plain caches would do)
+    for cache, why in ((filled, "mlx-lm's own"), (mlx_make(other), "not this model's"),
+                       ([RotatingKVCache(64, keep=4) for _ in filled], "not this model's"), ("abc", "must be a list")):
+        with pytest.raises(CachebackError, match=why) as e:
+            next(lm.stream_generate(model, tokenizer, "abc", max_tokens=4, prompt_cache=cache))
+        assert "\n" not in str(e.value)
+    with pytest.raises(CachebackError, match="max_kv_size"):
+        lm.make_prompt_cache(model, max_kv_size=64)
+    fresh = lm.make_prompt_cache(model)
+    assert lm.can_trim_prompt_cache(fresh) and lm.trim_prompt_cache(fresh, 3) == 0
+
+
+@pytest.mark.slow
+def test_a_chat_in_a_prompt_cache_on_the_default_model_is_mlx_lm_s():
+    """mlx-lm's chat loop (each turn's messages alone through the chat template, one prompt cache)
+    on the real default model, with drafts."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+    model, tokenizer = lm.load()
+    ours, theirs = lm.make_prompt_cache(model), mlx_make(model)
+    for question in ("Name three rivers in Europe.", "Which of them is the longest?"):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        a = [r.token for r in lm.stream_generate(model, tokenizer, ids, max_tokens=48, prompt_cache=ours)]
+        b = [r.token for r in mlx_stream(model, tokenizer, ids, max_tokens=48, prompt_cache=theirs)]
+        assert a == b
+    assert len(lm.prompt_cache.held(model, ours)) == theirs[0].offset
