@@ -182,7 +182,7 @@ class BatchResponse:
 
     texts: list[str]
     stats: dict
-    caches: None = None
+    caches: list | None = None  # with return_prompt_caches: a prompt cache per prompt (prompt_cache.py)
     token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None  # each token's log-probability, with return_logprobs
 
@@ -190,12 +190,20 @@ class BatchResponse:
 def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max_tokens: int | Sequence[int] = 128,
                    verbose: bool = False, return_token_ids: bool = False, return_logprobs: bool = False,
                    drafter: str = DEFAULT_DRAFTER,
-                   draft_budget: int | None = None, lanes: int | None = None, **kwargs) -> BatchResponse:
+                   draft_budget: int | None = None, lanes: int | None = None, prompt_caches: Sequence | None = None,
+                   return_prompt_caches: bool = False, **kwargs) -> BatchResponse:
     """mlx_lm.batch_generate over this engine: every prompt (token ids, or text) runs in one
     batch, several sequences to a pass, each with its own drafts (batch.py). Sampling as in
-    stream_generate (temperature / top_p / top_k / seed)."""
+    stream_generate (temperature / top_p / top_k / seed). `prompt_caches`: a prompt cache per
+    prompt (or None), each prompt continuing what its cache holds; `return_prompt_caches`: new ones
+    holding each prompt and its tokens, as mlx-lm's (the given ones are left as they were)."""
     session = _session(model, tokenizer, drafter, draft_budget)
     ids = [session.encode(p, chat=False) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    prompt_tokens = sum(len(p) for p in ids)  # this call's (mlx-lm's count)
+    if prompt_caches is not None:
+        if len(prompt_caches) != len(ids):
+            raise CachebackError(f"prompt_caches: {len(prompt_caches)} caches for {len(ids)} prompts")
+        ids = [(prompt_cache.held(model, c) if c is not None else []) + p for c, p in zip(prompt_caches, ids)]
     limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(ids)
     if len(limits) != len(ids):
         raise CachebackError(f"max_tokens: {len(limits)} limits for {len(ids)} prompts")
@@ -208,12 +216,17 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
     done = batch.run([dict(prompt=p, max_tokens=n, sampling=sampling) for p, n in zip(ids, limits)])
     seconds = time.perf_counter() - t0
     tokens = sum(len(lane.tokens) for lane in done)
-    stats = {"prompt_tokens": sum(len(p) for p in ids), "generation_tokens": tokens, "wall_time": seconds,
+    stats = {"prompt_tokens": prompt_tokens, "generation_tokens": tokens, "wall_time": seconds,
              "generation_tps": tokens / seconds if seconds > 0 else 0.0, "passes": batch.passes}
     if verbose:
         print(f"[batch_generate] {len(ids)} prompts, {tokens} tokens in {seconds:.2f} s "
               f"({stats['generation_tps']:.1f} tokens-per-sec, {batch.passes} passes)")
-    return BatchResponse([session.text_of(lane.tokens) for lane in done], stats,
+    caches = None
+    if return_prompt_caches:
+        caches = [prompt_cache.make_prompt_cache(model) for _ in done]
+        for c, p, lane in zip(caches, ids, done):  # a stop token is fed, as mlx-lm's caches have it
+            prompt_cache.hold(c, p + lane.tokens + ([lane.stats.stop_token] if lane.finish_reason == "stop" else []))
+    return BatchResponse([session.text_of(lane.tokens) for lane in done], stats, caches,
                          token_ids=[lane.tokens for lane in done] if return_token_ids else None,
                          logprobs=[lane.token_logprobs for lane in done] if return_logprobs else None)
 

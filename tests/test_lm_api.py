@@ -244,3 +244,30 @@ def test_a_chat_in_a_prompt_cache_on_the_default_model_is_mlx_lm_s():
         b = [r.token for r in mlx_stream(model, tokenizer, ids, max_tokens=48, prompt_cache=theirs)]
         assert a == b
     assert len(lm.prompt_cache.held(model, ours)) == theirs[0].offset
+
+
+def test_batch_generate_takes_and_returns_prompt_caches_as_mlx_lm_does(tiny):
+    """Each prompt continues its cache; the caches returned hold each prompt and its tokens (a stop
+    token too); the ones passed in are left as they were."""
+    from mlx_lm.generate import batch_generate as mlx_batch
+
+    model, tokenizer = tiny
+    first = [tokenizer.encode(p) for p in ("abcabcabc abc", "hello hello", "x = 1\nx = 2\n")]
+    then = [tokenizer.encode(p) for p in ("abc", "hello", "x")]
+    ours = lm.batch_generate(model, tokenizer, first, max_tokens=[20, 8, 12], return_prompt_caches=True,
+                             return_token_ids=True)
+    theirs = mlx_batch(model, tokenizer, first, max_tokens=[20, 8, 12], return_prompt_caches=True,
+                       return_token_ids=True)
+    assert ours.token_ids == theirs.token_ids
+    assert len(ours.token_ids[0]) < 20  # a stop token ended it
+    held = [lm.prompt_cache.held(model, c) for c in ours.caches]
+    assert [len(h) for h in held] == [c[0].offset for c in theirs.caches]
+    again = lm.batch_generate(model, tokenizer, then, max_tokens=10, prompt_caches=ours.caches, return_token_ids=True,
+                              return_prompt_caches=True, drafter="pld")
+    want = mlx_batch(model, tokenizer, then, max_tokens=10, prompt_caches=theirs.caches, return_token_ids=True)
+    assert again.token_ids == want.token_ids
+    assert [lm.prompt_cache.held(model, c) for c in ours.caches] == held  # the given caches as they were
+    assert [len(lm.prompt_cache.held(model, c)) for c in again.caches] == [
+        len(h) + len(p) + len(t) + (len(t) < 10) for h, p, t in zip(held, then, again.token_ids)]
+    with pytest.raises(CachebackError, match="caches for 3 prompts"):
+        lm.batch_generate(model, tokenizer, then, prompt_caches=ours.caches[:2])
