@@ -4,8 +4,10 @@ mlx-lm's scripts keep a conversation in a list of layer caches (`make_prompt_cac
 send each turn's new tokens only: the list holds every token before them, the earlier prompts and
 replies, a reply's stop token included (and, when a caller stopped reading early, the tokens it
 was given). Here the keys and values stay in the engine's own caches, reused by prefix as for any
-request, and this module keeps the tokens each list holds, so a turn runs on those tokens followed
-by the new ones: the output equals mlx-lm's on the same list.
+request, and this module keeps the tokens each list holds (on its first cache object, so that
+`copy.deepcopy(cache)`, which mlx-lm's users take to ask several questions of one long prompt,
+copies them), so a turn runs on those tokens followed by the new ones: the output equals mlx-lm's
+on the same list.
 
 The list's own cache objects stay empty. `trim_prompt_cache` here trims what a list holds as
 mlx-lm's would (a recurrent layer's cache cannot be trimmed; a sliding window's only while it has
@@ -16,7 +18,6 @@ is refused in one line: the tokens they stand for are not known here.
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
@@ -24,7 +25,12 @@ from mlx_lm.models.cache import make_prompt_cache as _mlx_lm_make
 
 from .errors import CachebackError
 
-_held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a list's first cache -> its tokens
+TOKENS = "cacheback_tokens"  # the attribute of a list's first cache that holds the list's tokens
+
+
+def _tokens(prompt_cache) -> list[int]:
+    first = next(_leaves(prompt_cache), None)
+    return list(getattr(first, TOKENS, ()))
 
 
 def _leaves(caches):
@@ -59,17 +65,19 @@ def held(model, prompt_cache) -> list[int]:
     if any(not c.empty() for c in mine):
         raise CachebackError("prompt_cache holds keys and values of mlx-lm's own (its generate, or load_prompt_cache): "
                              "the tokens behind them are not known here; start from make_prompt_cache(model)")
-    return list(_held.get(mine[0], ()))
+    return _tokens(prompt_cache)
 
 
 def hold(prompt_cache, tokens: Sequence[int]) -> None:
-    """Record that `prompt_cache` now holds `tokens`."""
-    _held[next(_leaves(prompt_cache))] = [int(t) for t in tokens]
+    """Record that `prompt_cache` now holds `tokens` (on its first cache object, so a copy of the
+    list, as mlx-lm's users make with copy.deepcopy to ask several questions of one long prompt,
+    holds them too)."""
+    setattr(next(_leaves(prompt_cache)), TOKENS, [int(t) for t in tokens])
 
 
 def can_trim_prompt_cache(prompt_cache) -> bool:
     """Whether mlx-lm could trim the list, were its caches filled with what it holds."""
-    n = len(_held.get(next(_leaves(prompt_cache), None), ())) if prompt_cache else 0
+    n = len(_tokens(prompt_cache))
     for c in _leaves(prompt_cache):
         if isinstance(c, ArraysCache) or (isinstance(c, RotatingKVCache) and n >= c.max_size):
             return False
@@ -83,8 +91,7 @@ def trim_prompt_cache(prompt_cache, num_tokens: int) -> int:
     dropped (0 where the caches cannot be trimmed)."""
     if not prompt_cache or not can_trim_prompt_cache(prompt_cache):
         return 0
-    key = next(_leaves(prompt_cache))
-    tokens = _held.get(key, [])
+    tokens = _tokens(prompt_cache)
     n = max(0, min(int(num_tokens), len(tokens)))
-    _held[key] = tokens[: len(tokens) - n]
+    hold(prompt_cache, tokens[: len(tokens) - n])
     return n

@@ -1,5 +1,6 @@
 """The mlx-lm-shaped API (cacheback_mlx.lm) against mlx-lm's own stream_generate."""
 
+import copy
 import random
 
 from cacheback_mlx import lm
@@ -176,7 +177,8 @@ def test_a_conversation_in_a_prompt_cache_continues_as_in_mlx_lm(tiny, drafter):
 
     model, tokenizer = tiny
     turns = [("abcabcabc abc", 20), ("hello hello", 7), ([3 + ord(c) for c in "x = 1\nx = 2\n"], 30), ("abc", 10)]
-    theirs = conversation(mlx_stream, model, tokenizer, mlx_make(model), turns, trim=mlx_trim)
+    theirs_cache_at_end = mlx_make(model)
+    theirs = conversation(mlx_stream, model, tokenizer, theirs_cache_at_end, turns, trim=mlx_trim)
     cache = lm.make_prompt_cache(model)
     ours = conversation(lm.stream_generate, model, tokenizer, cache, turns, trim=lm.trim_prompt_cache,
                         drafter=drafter)
@@ -184,6 +186,11 @@ def test_a_conversation_in_a_prompt_cache_continues_as_in_mlx_lm(tiny, drafter):
     assert theirs[0][-1][1] == "stop" and theirs[2][-1][1] == "length"  # both ways a turn ends
     assert len(lm.prompt_cache.held(model, cache)) == sum(len(x) for x in ours if isinstance(x, list)) + sum(
         len(tokenizer.encode(p)) if isinstance(p, str) else len(p) for p, _ in turns) - 5
+    copies = [copy.deepcopy(c) for c in (cache, cache)]  # one conversation, two ways on from here
+    want = [mlx_generate(model, tokenizer, p, max_tokens=8, prompt_cache=mlx_copy) for p, mlx_copy in
+            zip(("abc", "xyz"), [copy.deepcopy(theirs_cache_at_end) for _ in range(2)])]
+    assert [lm.generate(model, tokenizer, p, max_tokens=8, prompt_cache=c, drafter=drafter)
+            for p, c in zip(("abc", "xyz"), copies)] == want
     mine, theirs_cache = lm.make_prompt_cache(model), mlx_make(model)
     for prompt in ("abcabc", "hello"):  # generate() takes it too
         assert (lm.generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=mine, drafter=drafter)
