@@ -17,7 +17,7 @@ from .costs import CostFile, CostTable, Measurement, PriorCost, load_or_measure,
 from .drafters import drafter_names, drafter_parameters, make_drafter
 from .engine import Engine, Stats
 from .errors import CachebackError
-from .loader import LoadedModel, load
+from .loader import FolderOptions, LoadedModel, load
 from .sampling import SamplingParams
 from .tokenizer import vocab_fingerprint
 
@@ -27,15 +27,16 @@ _loaded: dict[tuple, LoadedModel] = {}
 
 
 def load_cached(model: str | LoadedModel | None = None, dtype: str | None = None,
-                adapter_path: str | None = None) -> LoadedModel:
-    """load(), remembered per (model, dtype, adapters) so repeated API calls do not reload weights."""
+                adapter_path: str | None = None, options: FolderOptions = FolderOptions()) -> LoadedModel:
+    """load(), remembered per (model, dtype, adapters, options) so repeated API calls do not reload
+    weights."""
     if isinstance(model, LoadedModel):
         if adapter_path is not None:
             raise CachebackError("adapters go with a model to load (a spec), not an already loaded one")
         return model
-    key = (model, dtype, adapter_path and str(Path(adapter_path).expanduser().resolve()))
+    key = (model, dtype, adapter_path and str(Path(adapter_path).expanduser().resolve()), repr(options))
     if key not in _loaded:
-        _loaded[key] = load(model, dtype=dtype, adapter_path=adapter_path)
+        _loaded[key] = load(model, dtype=dtype, adapter_path=adapter_path, options=options)
     return _loaded[key]
 
 

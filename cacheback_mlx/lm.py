@@ -31,7 +31,7 @@ import mlx.core as mx
 from . import prompt_cache
 from .api import DEFAULT_DRAFTER, Session, load_cached
 from .errors import CachebackError
-from .loader import LoadedModel
+from .loader import FolderOptions, LoadedModel
 from .prompt_cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from .sampling import SamplingParams
 
@@ -58,12 +58,25 @@ class GenerationResponse:
     mat: float = 0.0  # mean tokens per pass so far
 
 
-def load(path_or_hf_repo: str | None = None, dtype: str | None = None, adapter_path: str | None = None):
-    """(model, tokenizer) for a GGUF file, an mlx-lm folder, a Hugging Face repo id or an alias;
-    None is the embedded default model; `adapter_path`: fine-tuned adapters on it, as mlx-lm's."""
-    loaded = load_cached(path_or_hf_repo, dtype, adapter_path)
+def load(path_or_hf_repo: str | None = None, tokenizer_config: dict | None = None, model_config: dict | None = None,
+         adapter_path: str | None = None, lazy: bool = False, return_config: bool = False,
+         revision: str | None = None, trust_remote_code: bool = False, dtype: str | None = None):
+    """(model, tokenizer), or (model, tokenizer, config) with `return_config`, as mlx_lm.load
+    returns them, for a GGUF file, an mlx-lm folder, a Hugging Face repo id or an alias; None is
+    the embedded default model. mlx_lm.load's arguments mean what they mean there (tokenizer_config,
+    model_config and revision apply to folders and repos; a GGUF's config is its model's args);
+    `lazy` changes nothing (the weights are read at once); `dtype` is this package's own (see
+    `doctor`)."""
+    options = FolderOptions.of(tokenizer_config, model_config, revision, trust_remote_code)
+    loaded = load_cached(path_or_hf_repo, dtype, adapter_path, options)
     _loaded[id(loaded.model)] = loaded
-    return loaded.model, loaded.tokenizer
+    if not return_config:
+        return loaded.model, loaded.tokenizer
+    config = loaded.config
+    if config is None:  # a GGUF, a random or the default model: its mlx-lm args
+        args = getattr(loaded.model, "args", None)
+        config = {k: v for k, v in (vars(args) if args is not None else {}).items() if v is not None}
+    return loaded.model, loaded.tokenizer, dict(config)
 
 
 def _session(model, tokenizer, drafter: str, draft_budget: int | None) -> Session:

@@ -33,6 +33,7 @@ class LoadedModel:
     fim: dict | None  # FIM token strings (prefix/suffix/middle, ...) or None
     note: str = ""  # how it was built or kept, when that is worth saying (random weights, kept quantized)
     adapter: str | None = None  # the fine-tuned adapters' folder on the model (adapters.py)
+    config: dict | None = None  # an mlx-lm folder's config (with model_config's changes), as mlx_lm.load returns it
 
     def __iter__(self):  # model, tokenizer = load()
         return iter((self.model, self.tokenizer))
@@ -92,15 +93,43 @@ def _fetch_default(info: dict, path: Path) -> None:
                                  f"run `{info['install']}`") from None
 
 
+@dataclass(frozen=True)
+class FolderOptions:
+    """mlx_lm.load's options for an mlx-lm folder or a Hugging Face repo: `tokenizer_config` goes
+    to the tokenizer (AutoTokenizer.from_pretrained's keywords), `model_config` changes config.json's
+    values, `revision` picks the repo's branch, tag or commit, `trust_remote_code` as in mlx-lm."""
+
+    tokenizer_config: tuple = ()  # sorted (key, value) pairs
+    model_config: tuple = ()
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def of(cls, tokenizer_config=None, model_config=None, revision=None, trust_remote_code=False):
+        for name, d in (("tokenizer_config", tokenizer_config), ("model_config", model_config)):
+            if d is not None and not isinstance(d, dict):
+                raise CachebackError(f"{name} must be a dict (got {type(d).__name__})")
+        return cls(tuple(sorted((tokenizer_config or {}).items())), tuple(sorted((model_config or {}).items())),
+                   revision, bool(trust_remote_code))
+
+    def refuse_for(self, spec: str) -> None:
+        """A one-line error where `spec` is no folder or repo and an option would change it."""
+        given = [k for k, v in (("tokenizer_config", self.tokenizer_config), ("model_config", self.model_config),
+                                ("revision", self.revision)) if v]
+        if given:
+            raise CachebackError(f"{', '.join(given)}: for an mlx-lm folder or a Hugging Face repo, not {spec}")
+
+
 def load(model: str | os.PathLike | None = None, dtype: str | None = None,
-         adapter_path: str | os.PathLike | None = None) -> LoadedModel:
+         adapter_path: str | os.PathLike | None = None, options: FolderOptions = FolderOptions()) -> LoadedModel:
     """Load a model by spec: None (the embedded default), an alias, a .gguf path, an mlx-lm model
     folder, a Hugging Face repo id ("org/name"), or `random:NAME[:OPTIONS]` (a popular model's
     shape with seeded random weights, random_models.py); with `adapter_path`, the fine-tuned
     adapters mlx_lm.lora wrote there on it (adapters.py). On the CPU with OpenBLAS its float32 weights
     are stored transposed, the layout OpenBLAS multiplies fastest (blas.transpose_weights), and MLX
-    may keep more freed buffers for reuse (malloc.raise_mlx_cache_limit)."""
-    loaded = _load(model, dtype)
+    may keep more freed buffers for reuse (malloc.raise_mlx_cache_limit). `options`: mlx_lm.load's
+    for folders and repos (FolderOptions)."""
+    loaded = _load(model, dtype, options)
     if adapter_path is not None:
         from . import adapters
 
@@ -111,26 +140,29 @@ def load(model: str | os.PathLike | None = None, dtype: str | None = None,
     return loaded
 
 
-def _load(model: str | os.PathLike | None, dtype: str | None) -> LoadedModel:
+def _load(model: str | os.PathLike | None, dtype: str | None, options: FolderOptions) -> LoadedModel:
     if dtype is not None and dtype not in DTYPES:
         raise CachebackError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if isinstance(model, str) and model.lower().startswith("random:"):
         from .random_models import load_random
 
+        options.refuse_for(model)
         return load_random(model, dtype)  # the spec's own dtype option wins over `dtype`
     dtype = dtype or default_dtype()
     spec = "default" if model is None else str(model)
     alias = manifests.resolve_alias(spec) if not os.path.exists(spec) else None
     if alias == "default":
+        options.refuse_for("the default model (a GGUF)")
         return _load_gguf(default_model_path(), dtype, manifests.default_model()["name"])
     spec = alias or spec
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
+        options.refuse_for(f"a GGUF file ({path.name})")
         return _load_gguf(path, dtype, path.stem)
     if path.is_dir():
-        return _load_folder(path, dtype, path.name)
+        return _load_folder(path, dtype, path.name, options)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _load_folder(_hub_snapshot(spec), dtype, spec)
+        return _load_folder(_hub_snapshot(spec, options.revision), dtype, spec, options)
     raise CachebackError(f"model not found: {spec!r} (not a file, folder, alias or Hugging Face repo id)")
 
 
@@ -143,14 +175,17 @@ def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
     return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim)
 
 
-def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
+def _load_folder(path: Path, dtype: str, name: str, options: FolderOptions = FolderOptions()) -> LoadedModel:
     from mlx_lm.utils import load_model, load_tokenizer
 
     if not (path / "config.json").is_file():
         raise CachebackError(f"not an mlx-lm model folder (no config.json): {path}")
     try:
-        model, config = load_model(path, lazy=True)
-        tokenizer = load_tokenizer(path)
+        model, config = load_model(path, lazy=True, model_config=dict(options.model_config),
+                                   trust_remote_code=options.trust_remote_code)
+        # the config's EOS ids (a chat model's end of turn, where its tokenizer's EOS is another) as mlx_lm.load
+        tokenizer = load_tokenizer(path, dict(options.tokenizer_config) or None,
+                                   eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # a bad config, weights or tokenizer file: the user's input, not a bug
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CachebackError(f"cannot load model folder {path}: {first}") from None
@@ -168,7 +203,7 @@ def _load_folder(path: Path, dtype: str, name: str) -> LoadedModel:
     mx.eval(model.parameters())
     context = int(config.get("max_position_embeddings") or 4096)
     fim = manifests.fim_tokens(set(tokenizer.get_vocab()))
-    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim, note)
+    return LoadedModel(model, tokenizer, name, str(path), context, dtype, fim, note, config=config)
 
 
 def _is_quantized(model: nn.Module) -> bool:
@@ -211,7 +246,7 @@ def _unflatten(pairs):
     return tree_unflatten(pairs)
 
 
-def _hub_snapshot(repo: str) -> Path:
+def _hub_snapshot(repo: str, revision: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -219,7 +254,7 @@ def _hub_snapshot(repo: str) -> Path:
         raise CachebackError("huggingface_hub is not installed") from None
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
     try:
-        return Path(snapshot_download(repo, allow_patterns=patterns))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except LocalEntryNotFoundError:
         raise CachebackError(f"cannot download {repo!r}: offline and not in the Hugging Face cache") from None
     except HfHubHTTPError as e:

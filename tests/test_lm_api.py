@@ -1,6 +1,7 @@
 """The mlx-lm-shaped API (cacheback_mlx.lm) against mlx-lm's own stream_generate."""
 
 import copy
+import json
 import random
 
 from cacheback_mlx import lm
@@ -278,3 +279,67 @@ def test_batch_generate_takes_and_returns_prompt_caches_as_mlx_lm_does(tiny):
         len(h) + len(p) + len(t) + (len(t) < 10) for h, p, t in zip(held, then, again.token_ids)]
     with pytest.raises(CachebackError, match="caches for 3 prompts"):
         lm.batch_generate(model, tokenizer, then, prompt_caches=ours.caches[:2])
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """The tiny model as an mlx-lm folder whose config.json names a second EOS id, as chat models'
+    do for their end of turn (Gemma 3: [1, 106]), taken from the model's own greedy output."""
+    from cacheback_mlx.loader import load as load_any
+
+    from mlx.utils import tree_flatten
+
+    d = tmp_path_factory.mktemp("folder")
+    ref = write_tiny_gguf(d / "t.gguf", context=512)
+    loaded = load_any(d / "t.gguf")
+    loaded.tokenizer._tokenizer.save_pretrained(d / "model")
+    mx.save_safetensors(str(d / "model" / "model.safetensors"), dict(tree_flatten(ref.parameters())))
+    a = ref.args
+    config = {"model_type": "llama", "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+              "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
+              "num_key_value_heads": a.num_key_value_heads, "rms_norm_eps": a.rms_norm_eps,
+              "vocab_size": a.vocab_size, "rope_traditional": True, "tie_word_embeddings": False,
+              "max_position_embeddings": 512}
+    (d / "model" / "config.json").write_text(json.dumps(config))
+    import mlx_lm
+
+    first = [r.token for r in mlx_stream(*mlx_lm.load(str(d / "model")), "hello hello", max_tokens=12)]
+    (d / "model" / "config.json").write_text(json.dumps(config | {"eos_token_id": [2, first[5]]}))
+    return d / "model", first[5]
+
+
+def test_load_takes_mlx_lm_s_arguments_and_the_config_s_eos_ids(tiny_folder, tiny):
+    import mlx_lm
+
+    folder, eos = tiny_folder
+    theirs_model, theirs_tok = mlx_lm.load(str(folder))
+    model, tokenizer = lm.load(str(folder))
+    assert eos in tokenizer.eos_token_ids and set(tokenizer.eos_token_ids) == set(theirs_tok.eos_token_ids)
+    ours = responses(lm.stream_generate(model, tokenizer, "hello hello", max_tokens=12))
+    assert ours == responses(mlx_stream(theirs_model, theirs_tok, "hello hello", max_tokens=12))
+    assert ours[-1]["finish_reason"] == "stop" and ours[-1]["token"] == eos and len(ours) == 6
+    # mlx_lm.load's other arguments: a config changed by model_config and returned, a tokenizer's settings
+    _, _, config = lm.load(str(folder), model_config={"max_position_embeddings": 64}, return_config=True, lazy=True)
+    assert config == mlx_lm.load(str(folder), model_config={"max_position_embeddings": 64}, return_config=True)[2]
+    assert config["max_position_embeddings"] == 64 and _sessions_context(folder) == 64
+    extra = {"eos_token": tokenizer.convert_ids_to_tokens(eos)}
+    assert (set(lm.load(str(folder), tokenizer_config=extra)[1].eos_token_ids)
+            == set(mlx_lm.load(str(folder), tokenizer_config=extra)[1].eos_token_ids))
+    # a GGUF has no folder to apply them to: one line; its config is its model's args
+    gguf_model, _ = tiny
+    path = str(folder.parent / "t.gguf")
+    for kw in ({"tokenizer_config": extra}, {"model_config": {"vocab_size": 9}}, {"revision": "main"}):
+        with pytest.raises(CachebackError, match="not a GGUF file") as e:
+            lm.load(path, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(CachebackError, match="must be a dict"):
+        lm.load(str(folder), model_config=[("vocab_size", 9)])
+    assert lm.load(path, return_config=True)[2]["hidden_size"] == gguf_model.args.hidden_size
+
+
+def _sessions_context(folder) -> int:
+    from cacheback_mlx.api import load_cached
+    from cacheback_mlx.loader import FolderOptions
+
+    return load_cached(str(folder), None, None, FolderOptions.of(model_config={"max_position_embeddings": 64})
+                       ).context_length
