@@ -85,7 +85,35 @@ def tokenizer_from_gguf(meta: dict) -> TokenizerWrapper:
     hf.chat_template = meta.get("tokenizer.chat_template")
     if kind == "llama" and bool(_value(meta, "tokenizer.ggml.add_bos_token", True)):
         hf.add_bos_token = True
-    return TokenizerWrapper(hf, detokenizer_class=detok, **tool_markup(hf))
+    return TokenizerWrapper(hf, detokenizer_class=detok, eos_token_ids=end_of_generation(meta, tokens),
+                            **tool_markup(hf))
+
+
+# Tokens that end a reply by their text, as llama.cpp's vocabulary sets them (llama-vocab.cpp's
+# end-of-generation tokens): a chat model's end of turn where its GGUF's EOS is another token
+# (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>), and FIM's padding and file separators.
+END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",  # FIM padding
+             "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")  # FIM repo, file
+
+
+def end_of_generation(meta: dict, tokens: list[str]) -> list[int]:
+    """The ids that end a reply: the GGUF's EOS, end-of-turn and end-of-message ids and the tokens
+    of END_TEXTS, less llama.cpp's two exceptions (<|end|> where <|return|> and <|call|> or
+    <|calls|> and <|flush|> end replies, as in gpt-oss's harmony format; </s> beside Gemma 4's
+    <|tool_response>)."""
+    index = {t: i for i, t in enumerate(tokens)}
+    ids = {index[t] for t in END_TEXTS if t in index}
+    ids |= {int(i) for k in ("eos", "eot", "eom") if 0 <= int(i := _value(meta, f"tokenizer.ggml.{k}_token_id", -1))
+            < len(tokens)}
+    texts = {tokens[i] for i in ids}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        ids.discard(index["<|end|>"])
+    if "<|tool_response>" in texts and "</s>" in texts:
+        ids.discard(index["</s>"])
+    return sorted(ids)
 
 
 def tool_markup(hf) -> dict:

@@ -124,3 +124,34 @@ def test_mlx_lm_model_folder(tmp_path):
     x = mx.array([[5, 6, 7, 8]])
     assert np.allclose(np.array(loaded.model(x)), np.array(ref(x)), atol=1e-5)
     assert loaded.context_length == 128 and loaded.tokenizer.decode(loaded.tokenizer.encode("héllo")) == "héllo"
+
+
+@pytest.mark.parametrize("texts, meta, ends", [
+    # Gemma 3: EOS <eos>, end of turn <end_of_turn> by its text
+    (["<pad>", "<eos>", "<bos>", "<end_of_turn>", "a"], {"eos": 1}, ["<eos>", "<end_of_turn>"]),
+    # Llama 3.1 Instruct: its end of turn and end of message named in the metadata too
+    (["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "a"], {"eos": 3, "eot": 3, "eom": 2},
+     ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]),
+    # gpt-oss's harmony format: <|end|> closes a message, not the reply
+    (["<|endoftext|>", "<|start|>", "<|end|>", "<|return|>", "<|call|>"], {"eos": 3},
+     ["<|endoftext|>", "<|return|>", "<|call|>"]),
+    # Gemma 4: </s> beside <|tool_response> is text
+    (["<eos>", "</s>", "<|tool_response>", "<turn|>"], {"eos": 0}, ["<eos>", "<|tool_response>", "<turn|>"]),
+    # Qwen2.5-Coder: FIM padding and file separators end an infill
+    (["<|endoftext|>", "<|fim_prefix|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "a"], {"eos": 0},
+     ["<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"]),
+    # an id past the vocabulary is left out
+    (["<s>", "a", "b"], {"eos": 0, "eot": 99}, ["<s>"]),
+])
+def test_a_gguf_s_replies_end_where_llama_cpp_s_do(texts, meta, ends):
+    from cacheback_mlx.tokenizer import end_of_generation
+
+    ids = end_of_generation({f"tokenizer.ggml.{k}_token_id": v for k, v in meta.items()}, texts)
+    assert [texts[i] for i in ids] == ends
+
+
+def test_a_gguf_s_end_of_turn_token_ends_a_reply(tmp_path):
+    """A chat model whose GGUF names one EOS and whose turns end with another token stops there."""
+    write_tiny_gguf(tmp_path / "t.gguf", specials=("<end_of_turn>",))
+    tok = load(str(tmp_path / "t.gguf")).tokenizer
+    assert tok.convert_tokens_to_ids("<end_of_turn>") in tok.eos_token_ids and 2 in tok.eos_token_ids
