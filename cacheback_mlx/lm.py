@@ -125,9 +125,12 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
     given: list[int] = []  # the tokens handed out: with the prompt, what the prompt cache then holds
     try:
         yield from _responses(session, tokenizer, before + ids, len(ids), limit, sampling, given)
-    finally:
+    except GeneratorExit:  # the caller stopped reading: the cache holds what it was given (an error: unchanged)
         if cache is not None:
             prompt_cache.hold(cache, before + ids + given)
+        raise
+    if cache is not None:
+        prompt_cache.hold(cache, before + ids + given)
 
 
 def _responses(session: Session, tokenizer, ids: list[int], prompt_tokens: int, limit: int,

@@ -234,6 +234,12 @@ def test_a_prompt_cache_it_cannot_continue_is_a_one_line_error(tiny):
         assert "\n" not in str(e.value)
     with pytest.raises(CachebackError, match="max_kv_size"):
         lm.make_prompt_cache(model, max_kv_size=64)
+    kept = lm.make_prompt_cache(model)
+    list(lm.stream_generate(model, tokenizer, "abc", max_tokens=4, prompt_cache=kept))
+    before = lm.prompt_cache.held(model, kept)
+    with pytest.raises(CachebackError, match="does not fit"):  # a prompt past the context leaves it as it was
+        list(lm.stream_generate(model, tokenizer, [5] * 600, max_tokens=4, prompt_cache=kept))
+    assert lm.prompt_cache.held(model, kept) == before
     fresh = lm.make_prompt_cache(model)
     assert lm.can_trim_prompt_cache(fresh) and lm.trim_prompt_cache(fresh, 3) == 0
 
