@@ -232,6 +232,7 @@ def test_doctor_shows_shape_bytes_and_caches(monkeypatch):
     assert "4-bit (group 64), 8-bit (group 64)" in out and "read per decode step" in out  # routers at 8 bits
     assert "RotatingKVCache" in out or "window=128" in out, out
     assert "prompt: the engine's layout" in out  # float32 on the CPU (half precision on a GPU: mlx-lm's)
+    assert "a reply ends at: <|endoftext|> (0), <|im_end|> (2), <reponame> (4)" in out  # the default tokenizer's
     r = CliRunner().invoke(main, ["doctor", "--model", "random:nope"])
     assert r.exit_code == 1 and "unknown random model 'nope'" in r.output
 
