@@ -630,9 +630,8 @@ def doctor(model_spec, drafter, drafter_args, rounding, adapter_path):
                    f"{experts}, vocab {shape['vocab']}, {size(shape['params'], 'B', 'M')} params")
         click.echo(f"weights: {size(param_bytes(loaded.model))} in memory, {quant}; "
                    f"read per decode step: {size(model_bytes_per_step(loaded.model))}")
-        ends = sorted(loaded.tokenizer.eos_token_ids)
-        click.echo("a reply ends at: " + ", ".join(
-            f"{loaded.tokenizer.convert_ids_to_tokens(i)} ({i})" for i in ends) if ends else "a reply ends at: no token")
+        ends = [f"{loaded.tokenizer.convert_ids_to_tokens(i)} ({i})" for i in sorted(loaded.tokenizer.eos_token_ids)]
+        click.echo(f"a reply ends at: {', '.join(ends) or 'no token'}")
         click.echo("layer caches: " + ", ".join(f"{k} x{v}" for k, v in info["caches"].items()))
         click.echo(f"verify: {info['verify']}; shape buckets: {info['shape buckets']}")
         from . import kernels
