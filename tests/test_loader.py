@@ -24,7 +24,7 @@ def test_tiny_gguf_loads_with_the_same_logits(tmp_path, dtype):
     assert loaded.context_length == 64 and loaded.dtype == "float32" and loaded.fim is None
     model, tokenizer = loaded
     assert tokenizer.decode(tokenizer.encode("héllo wörld")) == "héllo wörld"
-    assert tokenizer.eos_token_ids == {2}
+    assert tokenizer.eos_token_ids == {0, 2}  # the metadata's EOS <|im_end|>; <|endoftext|> by its text, as llama.cpp
 
 
 def _cast(model, dtype):
