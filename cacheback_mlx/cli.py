@@ -291,18 +291,29 @@ def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system
                    "--distributed.")
 @adapter_option
 @distributed_option
+@kv_options
 @user_errors
 def serve(host, port, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, api_key, max_body, strict_infill,
-          batch_size, infill_extra, slots, parallel, adapter_path, distributed):
+          batch_size, infill_extra, slots, parallel, adapter_path, distributed, kv_bits, kv_group_size,
+          quantized_kv_start):
     """Serve completions over HTTP: llama.cpp /infill and /completion, OpenAI /v1/* (/v1/responses
     too), Ollama /api/*, Anthropic /v1/messages."""
+    from click.core import ParameterSource
+
     from .server import serve as run_server
 
+    if kv_bits is not None and parallel > 1 and not distributed:  # lanes of a batch keep full-precision caches
+        if click.get_current_context().get_parameter_source("parallel") is not ParameterSource.DEFAULT:
+            raise CachebackError("--kv-bits serves one request at a time: leave out --parallel or give --parallel 1")
+        parallel = 1
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
+    session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     mode = "FIM" if session.loaded.fim else "prefix-only (no FIM tokens)"
     adapters = f"; adapters {session.loaded.adapter}" if session.loaded.adapter else ""
-    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode}{adapters})",
-               err=True)
+    kv = (f"; K/V cache in {kv_bits} bits from {quantized_kv_start} tokens, one request at a time"
+          if kv_bits is not None else "")
+    click.echo(f"serving {session.loaded.name} on http://{host}:{port} (drafter {drafter}; infill: {mode}{adapters}"
+               f"{kv})", err=True)
     run_server(session, host, port, api_key=api_key, max_body=max_body, strict_infill=strict_infill, batch=batch_size,
                infill_extra=None if infill_extra < 0 else infill_extra, slots=slots,
                parallel=1 if distributed else parallel)

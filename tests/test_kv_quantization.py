@@ -271,3 +271,44 @@ def test_the_default_model_s_tokens_are_mlx_lm_s_up_to_the_point(default_model):
         eng.set_kv_quantization(4, 64, start)
         assert run(eng, ids, n)[:exact] == theirs[:exact], name
         assert eng.seq.cache.quantized_at == start, name
+
+
+def test_serve_takes_the_kv_options_and_serves_one_request_at_a_time(tiny_path, monkeypatch):
+    """`serve --kv-bits`: the session's engine quantizes as asked and requests run one at a time
+    (lanes of a batch keep full-precision caches); --parallel above 1 with it is a one-line error."""
+    import cacheback_mlx.server
+
+    seen = {}
+    monkeypatch.setattr(cacheback_mlx.server, "serve", lambda session, host, port, **kw: seen.update(
+        kv=session.engine.kv_quant, parallel=kw["parallel"]))
+    kv = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "8"]
+    r = cli("serve", "--model", tiny_path, *kv)
+    assert r.exit_code == 0, r.stderr
+    assert seen == {"kv": (4, 32, 8), "parallel": 1} and "K/V cache in 4 bits from 8 tokens" in r.stderr
+    r = cli("serve", "--model", tiny_path)
+    assert r.exit_code == 0 and seen == {"kv": None, "parallel": 4}
+    for bad, needle in ((["--parallel", "2"], "--kv-bits serves one request at a time"),
+                        (["--kv-bits", "7"], "--kv-bits must be one of")):
+        r = cli("serve", "--model", tiny_path, *kv, *bad)
+        assert r.exit_code == 1 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.serial  # starts a server
+def test_a_server_with_quantized_caches_answers_as_mlx_lm_does(tiny_path, tiny):
+    from cacheback_mlx.api import Session
+
+    import httpx
+
+    from test_server import serving
+
+    model, tokenizer = tiny
+    prompt = "abcabcabc abc abcab"
+    theirs = "".join(r.text for r in mlx_stream(model, tokenizer, prompt, max_tokens=32, kv_bits=4, kv_group_size=32,
+                                                  quantized_kv_start=8))
+    assert theirs != "".join(r.text for r in mlx_stream(model, tokenizer, prompt, max_tokens=32))
+    session = Session(tiny_path, "auto")
+    session.engine.set_kv_quantization(4, 32, 8)
+    with serving(session) as url:
+        for _ in range(2):  # the second request again, on the cache the first left
+            r = httpx.post(f"{url}/completion", json={"prompt": prompt, "n_predict": 32}, timeout=120)
+            assert r.status_code == 200 and r.json()["content"] == theirs
