@@ -312,3 +312,19 @@ def test_a_server_with_quantized_caches_answers_as_mlx_lm_does(tiny_path, tiny):
         for _ in range(2):  # the second request again, on the cache the first left
             r = httpx.post(f"{url}/completion", json={"prompt": prompt, "n_predict": 32}, timeout=120)
             assert r.status_code == 200 and r.json()["content"] == theirs
+
+
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_a_prompt_cache_conversation_quantized_is_mlx_lm_s(tiny, drafter):
+    """mlx-lm's prompt_cache with its kv arguments: turn after turn on the cache the last one
+    quantized, the tokens equal mlx-lm's."""
+    model, tokenizer = tiny
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=12)
+    theirs_cache, ours_cache = make_prompt_cache(model), lm.make_prompt_cache(model)
+    for prompt in ("abcabc abc", "abcab abcab", "abc abcabc abc"):
+        theirs = [r.token for r in mlx_stream(model, tokenizer, prompt, max_tokens=16, prompt_cache=theirs_cache,
+                                              **kv)]
+        ours = [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=16, drafter=drafter,
+                                                    prompt_cache=ours_cache, **kv)]
+        assert ours == theirs
+    assert type(theirs_cache[0]).__name__ == "QuantizedKVCache"  # mlx-lm's turned quantized in the first turn
