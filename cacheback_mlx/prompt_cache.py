@@ -20,25 +20,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as _mlx_lm_make
 
 from .errors import CachebackError
+from .kvcache import cache_leaves
 
 TOKENS = "cacheback_tokens"  # the attribute of a list's first cache that holds the list's tokens
 
 
 def _tokens(prompt_cache) -> list[int]:
-    first = next(_leaves(prompt_cache), None)
+    first = next(cache_leaves(prompt_cache), None)
     return list(getattr(first, TOKENS, ()))
-
-
-def _leaves(caches):
-    for c in caches:
-        if isinstance(c, CacheList):
-            yield from _leaves(c.caches)
-        elif c is not None:
-            yield c
 
 
 def _kind(c) -> tuple:
@@ -58,7 +51,7 @@ def held(model, prompt_cache) -> list[int]:
     list of `model`'s caches that mlx-lm has not filled."""
     if not isinstance(prompt_cache, (list, tuple)):
         raise CachebackError("prompt_cache must be a list of layer caches, as make_prompt_cache(model) makes")
-    mine, want = list(_leaves(prompt_cache)), list(_leaves(_mlx_lm_make(model)))
+    mine, want = list(cache_leaves(prompt_cache)), list(cache_leaves(_mlx_lm_make(model)))
     if not mine or [_kind(c) for c in mine] != [_kind(c) for c in want]:
         raise CachebackError(f"prompt_cache is not this model's (make_prompt_cache(model) makes {len(want)} layer "
                              f"caches: {', '.join(sorted({k[0] for k in map(_kind, want)}))}; max_kv_size not set)")
@@ -72,13 +65,13 @@ def hold(prompt_cache, tokens: Sequence[int]) -> None:
     """Record that `prompt_cache` now holds `tokens` (on its first cache object, so a copy of the
     list, as mlx-lm's users make with copy.deepcopy to ask several questions of one long prompt,
     holds them too)."""
-    setattr(next(_leaves(prompt_cache)), TOKENS, [int(t) for t in tokens])
+    setattr(next(cache_leaves(prompt_cache)), TOKENS, [int(t) for t in tokens])
 
 
 def can_trim_prompt_cache(prompt_cache) -> bool:
     """Whether mlx-lm could trim the list, were its caches filled with what it holds."""
     n = len(_tokens(prompt_cache))
-    for c in _leaves(prompt_cache):
+    for c in cache_leaves(prompt_cache):
         if isinstance(c, ArraysCache) or (isinstance(c, RotatingKVCache) and n >= c.max_size):
             return False
         if not isinstance(c, (KVCache, RotatingKVCache)) and not c.is_trimmable():
