@@ -11,8 +11,9 @@ mlx-lm (the last one carries finish_reason "stop" with the EOS token, or "length
 drafting counters of the generation so far (passes, mat). `logprobs` is each token's
 log-probabilities over the vocabulary as in mlx-lm, from the pass row that predicted it (the same
 values within a pass's rounding; computed only when read). Differences: `from_draft` is True for
-tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / min_p / seed instead
-of a `sampler` callable (sample-and-match needs the distribution itself). `logits_processors`
+tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / min_p / seed, or a
+`sampler` from mlx-lm's make_sampler whose settings are read back (sampler_settings: sample-and-match needs the
+distribution itself, so a sampler of one's own, or XTC, is refused). `logits_processors`
 (mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
 pass with the tokens before its own position (sampling.processed_rows). `prompt_cache` (a list from
 mlx-lm's make_prompt_cache) carries a conversation as in mlx-lm: each call's prompt continues what
@@ -99,7 +100,9 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
                     **kwargs) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
     if kwargs.get("sampler") is not None:
-        raise CachebackError("pass temperature=, top_p=, top_k= instead of a sampler")
+        if (temperature, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
+            raise CachebackError("give either sampler= or temperature=, top_p=, top_k=, min_p=, not both")
+        temperature, top_p, top_k, min_p = sampler_settings(kwargs["sampler"])
     unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
                              "prompt_progress_callback", "num_draft_tokens", "kv_bits", "kv_group_size",
                              "quantized_kv_start", "prompt_cache"}
@@ -174,6 +177,43 @@ def _responses(session: Session, tokenizer, ids: list[int], prompt_tokens: int, 
         yield out(last)
 
 
+def sampler_settings(sampler) -> tuple[float, float, int, float]:
+    """(temperature, top_p, top_k, min_p) of a sampler made by mlx-lm's make_sampler, read from the
+    function it returns (drafts are checked against the distribution, so the settings are needed, not
+    a draw); any other sampler, or make_sampler's XTC: a one-line error."""
+    from mlx_lm import sample_utils
+
+    if sampler is sample_utils.greedy_sampler:
+        return 0.0, 1.0, 0, 0.0
+    own = CachebackError("pass temperature=, top_p=, top_k=, min_p= (or mlx-lm's make_sampler of them) "
+                         "instead of a sampler of your own")
+
+    def cells(fn) -> dict:
+        return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+    if (getattr(sampler, "__module__", None) != sample_utils.__name__
+            or getattr(sampler, "__qualname__", None) != "make_sampler.<locals>.sampler"):
+        raise own
+    try:
+        made = cells(sampler)
+        temperature, top_p, top_k, min_p = float(made["temp"]), 1.0, 0, 0.0
+        for method in made["sampling_methods"]:
+            calls, values = set(method.__code__.co_names), cells(method)
+            if calls == {"apply_top_p"}:
+                top_p = float(values["top_p"])
+            elif calls == {"apply_min_p"} and values["min_tokens_to_keep"] == 1:
+                min_p = float(values["min_p"])
+            elif calls == {"apply_top_k"}:
+                top_k = int(values["top_k"])
+            elif calls == {"apply_xtc"}:
+                raise CachebackError("make_sampler's XTC (xtc_probability) is not supported")
+            else:
+                raise own
+    except (AttributeError, KeyError, TypeError):  # an mlx-lm whose make_sampler is built otherwise
+        raise own from None
+    return temperature, top_p, top_k, min_p
+
+
 def _prompt_tps(stats) -> float:
     return stats.prompt_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
 
@@ -223,9 +263,14 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
     limits = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(ids)
     if len(limits) != len(ids):
         raise CachebackError(f"max_tokens: {len(limits)} limits for {len(ids)} prompts")
-    unknown = set(kwargs) - {"temperature", "top_p", "top_k", "seed", "min_p"}
+    unknown = set(kwargs) - {"temperature", "top_p", "top_k", "seed", "min_p", "sampler"}
     if unknown:
         raise CachebackError(f"batch_generate: unknown arguments {sorted(unknown)}")
+    if kwargs.get("sampler") is not None:  # mlx-lm's make_sampler(...), as its batch_generate takes
+        if set(kwargs) - {"sampler", "seed"}:
+            raise CachebackError("give either sampler= or temperature=, top_p=, top_k=, min_p=, not both")
+        kwargs.update(zip(("temperature", "top_p", "top_k", "min_p"), sampler_settings(kwargs["sampler"])))
+    kwargs.pop("sampler", None)
     batch = session.batch(lanes or min(len(ids), 8))
     t0 = time.perf_counter()
     sampling = SamplingParams(**kwargs, logprobs=return_logprobs)

@@ -106,6 +106,36 @@ def test_min_p_samples_from_the_likeliest_tokens(tiny):
         next(lm.stream_generate(model, tokenizer, "hello", temperature=1.0, min_p=2.0))
 
 
+def test_mlx_lm_s_make_sampler_is_read_back_into_its_settings(tiny):
+    """A sampler from mlx-lm's make_sampler samples as the same settings given by name: the same
+    tokens for the same seed (greedy: mlx-lm's tokens); one of one's own, or XTC, is refused."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = tiny
+    settings = dict(temperature=0.8, top_p=0.9, min_p=0.05, top_k=20)
+    made = make_sampler(temp=0.8, top_p=0.9, min_p=0.05, top_k=20)
+    assert lm.sampler_settings(made) == (0.8, 0.9, 20, 0.05)
+    assert lm.sampler_settings(make_sampler(temp=0.5)) == (0.5, 1.0, 0, 0.0)
+    prompt = "abcabcabc abc"
+    by_name = [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3, **settings)]
+    assert [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3,
+                                                sampler=made)] == by_name
+    assert by_name != [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    assert (responses(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, sampler=make_sampler(temp=0.0)))
+            == responses(mlx_stream(model, tokenizer, prompt, max_tokens=24, sampler=make_sampler(temp=0.0))))
+    ids = [tokenizer.encode(prompt)]
+    assert (lm.batch_generate(model, tokenizer, ids, max_tokens=24, seed=3, sampler=made, return_token_ids=True)
+            .token_ids == lm.batch_generate(model, tokenizer, ids, max_tokens=24, seed=3, return_token_ids=True,
+                                            **settings).token_ids)
+    for bad, why in ((make_sampler(temp=0.8, xtc_probability=0.5), "XTC"),
+                     (make_sampler(temp=0.8, min_p=0.1, min_tokens_to_keep=3), "of your own"),
+                     (lambda x: x, "of your own")):
+        with pytest.raises(CachebackError, match=why):
+            next(lm.stream_generate(model, tokenizer, prompt, sampler=bad))
+    with pytest.raises(CachebackError, match="not both"):
+        next(lm.stream_generate(model, tokenizer, prompt, sampler=made, temperature=0.5))
+
+
 def test_unsupported_arguments_get_a_clear_error(tiny):
     model, tokenizer = tiny
     with pytest.raises(CachebackError, match="temperature"):
@@ -133,7 +163,7 @@ def test_batch_generate_gives_each_prompt_what_mlx_lm_gives_it_alone(tiny):
     with pytest.raises(CachebackError, match="limits for"):
         lm.batch_generate(model, tokenizer, ids, max_tokens=[4, 4])
     with pytest.raises(CachebackError, match="unknown arguments"):
-        lm.batch_generate(model, tokenizer, ids, max_tokens=4, sampler=None)
+        lm.batch_generate(model, tokenizer, ids, max_tokens=4, frobnicate=None)
 
 
 def test_session_generate_batch_equals_its_generate(tmp_path):
