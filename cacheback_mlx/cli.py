@@ -119,6 +119,10 @@ def sampling_options(fn):
             click.option("--min-p", default=0.0, show_default=True,
                          help="Keep tokens at least this fraction of the likeliest one's probability (0: off)."),
             click.option("--seed", type=int, default=None),
+            click.option("--xtc-probability", default=0.0, show_default=True,
+                         help="XTC: at each token, with this probability, leave out the likeliest tokens but the "
+                              "least likely of those above --xtc-threshold, as mlx-lm's (0: off)."),
+            click.option("--xtc-threshold", default=0.1, show_default=True, help="XTC's threshold (0 to 0.5)."),
             click.option("--extra-eos-token", "extra_eos", multiple=True, metavar="TOKEN",
                          help="Also end the answer at this token (its id, its spelling in the vocabulary, or a "
                               "text that is one token; repeatable), as mlx-lm's --extra-eos-token.")]):
@@ -194,11 +198,12 @@ def main():
 @distributed_option
 @user_errors
 def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_args, max_tokens, temp, top_p,
-             top_k, min_p, seed, extra_eos, repetition_penalty, repetition_window, chat, system, stats, json_schema,
-             grammar, kv_bits, kv_group_size, quantized_kv_start, adapter_path, distributed):
+             top_k, min_p, seed, xtc_probability, xtc_threshold, extra_eos, repetition_penalty, repetition_window,
+             chat, system, stats, json_schema, grammar, kv_bits, kv_group_size, quantized_kv_start, adapter_path,
+             distributed):
     """Generate text for PROMPT ('-' reads stdin), streaming it to stdout."""
     from .constrained import Constrained, check, grammar_of
-    from .sampling import SamplingParams, penalties
+    from .sampling import SamplingParams, penalties, xtc_special
 
     processors = penalties(repetition_penalty, window=repetition_window)
     structure = None
@@ -211,9 +216,12 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 
         structure = grammar_of(json_schema=read(json_schema)) if json_schema is not None else \
             grammar_of(gbnf=read(grammar))
-    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)  # checked first
+    sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                              xtc_probability=xtc_probability, xtc_threshold=xtc_threshold)  # checked first
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     session.add_eos_tokens(extra_eos)
+    if xtc_probability > 0:
+        sampling = dataclasses.replace(sampling, xtc_special=xtc_special(session.tokenizer, session.engine.eos_ids))
     session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -249,16 +257,19 @@ def generate(prompt, model, dtype, drafter, draft_budget, fixed_budget, drafter_
 @distributed_option
 @user_errors
 def chat(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, system, max_tokens, temp, top_p, top_k, min_p,
-         seed, extra_eos, repetition_penalty, repetition_window, kv_bits, kv_group_size, quantized_kv_start,
-         adapter_path, distributed):
+         seed, xtc_probability, xtc_threshold, extra_eos, repetition_penalty, repetition_window, kv_bits, kv_group_size,
+         quantized_kv_start, adapter_path, distributed):
     """Chat with a model in the terminal (multi-turn, streaming; /help for commands)."""
     from .chat import run_chat
-    from .sampling import SamplingParams, penalties
+    from .sampling import SamplingParams, penalties, xtc_special
 
     sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                              xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
                               logits_processors=penalties(repetition_penalty, window=repetition_window))
     session = open_session(model, dtype, drafter, draft_budget, fixed_budget, drafter_args, distributed, adapter_path)
     session.add_eos_tokens(extra_eos)
+    if xtc_probability > 0:
+        sampling = dataclasses.replace(sampling, xtc_special=xtc_special(session.tokenizer, session.engine.eos_ids))
     session.engine.set_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     run_chat(session, system, max_tokens, sampling)
 

@@ -34,12 +34,12 @@ import mlx.core as mx
 import numpy as np
 
 
-def position_bits(seed: int, position: int) -> int:
+def position_bits(seed: int | str, position: int) -> int:
     """64 random bits for one position of a seeded request: a hash of the seed and the position."""
     return int.from_bytes(hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest(), "little")
 
 
-def position_uniform(seed: int, position: int) -> float:
+def position_uniform(seed: int | str, position: int) -> float:
     """A uniform number in [0, 1) for one position of a seeded request (53 of its bits)."""
     return (position_bits(seed, position) >> 11) * 2.0**-53
 
@@ -68,15 +68,46 @@ def cut(logits: np.ndarray, top_p: float = 0.0, min_p: float = 0.0, top_k: int =
     return lowest
 
 
+def xtc_dropped(logits: np.ndarray, threshold: float, special=()) -> np.ndarray:
+    """XTC ("exclude top choices", mlx-lm's apply_xtc) on one row (-inf: filtered out already): the
+    tokens to drop, those more probable than the least probable token above `threshold`, so every
+    likely choice but the least likely of them goes; `special` ids (a new line, the EOS) never."""
+    with np.errstate(all="ignore"):
+        p = np.exp(logits.astype(np.float64) - float(logits.max()))
+    p /= p.sum()
+    above = p > threshold
+    if not above.any():
+        return np.zeros(len(logits), dtype=bool)
+    drop = p > p[above].min()
+    drop[[i for i in special if 0 <= i < len(drop)]] = False
+    return drop
+
+
+def kept_tokens(logits: np.ndarray, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0,
+                xtc: tuple | None = None) -> np.ndarray | None:
+    """The ids the filters keep (None: every token), XTC's (threshold, special ids) among them
+    where it applies, after top-p and min-p and before top-k as mlx-lm's make_sampler orders them."""
+    if xtc is None:
+        lowest = cut(logits, top_p, min_p, top_k)
+        return np.flatnonzero(logits >= lowest) if lowest > -math.inf else None
+    lowest = cut(logits, top_p, min_p)
+    row = np.where(logits >= lowest, logits, -np.inf)
+    row[xtc_dropped(row, *xtc)] = -np.inf
+    if 0 < top_k < int(np.count_nonzero(row > -np.inf)):
+        row[row < np.partition(row, len(row) - top_k)[len(row) - top_k]] = -np.inf
+    return np.flatnonzero(row > -np.inf)
+
+
 def choose(logits: np.ndarray, uniform: float, temperature: float, top_p: float = 0.0, min_p: float = 0.0,
-           top_k: int = 0) -> int:
+           top_k: int = 0, xtc: tuple | None = None) -> int:
     """One row's token: the tokens the filters keep (`cut`), drawn with probability proportional to
-    exp(logit / temperature) where their running sum passes `uniform` of the whole (`draw`)."""
-    lowest = cut(logits, top_p, min_p, top_k)
-    kept = np.flatnonzero(logits >= lowest) if lowest > -math.inf else None  # None: every token
+    exp(logit / temperature) where their running sum passes `uniform` of the whole (`draw`).
+    `xtc`: (threshold, special ids) where XTC applies to this row: after top-p and min-p, before
+    top-k, as mlx-lm's make_sampler orders them (xtc_dropped)."""
+    kept = kept_tokens(logits, top_p, min_p, top_k, xtc)
     candidates = logits if kept is None else logits[kept]
     with np.errstate(all="ignore"):
-        weights = np.exp((candidates - float(logits.max())) * (1.0 / temperature))
+        weights = np.exp((candidates - float(candidates.max())) * (1.0 / temperature))  # XTC may drop the best
     if not 0.0 < float(weights.sum(dtype=np.float64)) < math.inf:  # a temperature so small that 1 / it
         i = int(np.argmax(candidates))  # overflows, or logits without a finite best: its limit, the best
     else:
@@ -107,22 +138,33 @@ def draw(weights: np.ndarray, uniform: float) -> int:
     return start + i
 
 
-def host_picker(temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None):
+def xtc_uniform(seed: int, position: int) -> float:
+    """The uniform number that decides whether XTC applies at one position of a seeded request
+    (apart from the draw's own, position_uniform)."""
+    return position_uniform(f"{seed}:xtc", position)
+
+
+def host_picker(temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None,
+                xtc: tuple[float, float, tuple] = (0.0, 0.1, ())):
     """pick(logits [rows, vocab], first, tree) -> the rows' tokens (an mx.array), each row chosen
-    by `choose` on the host; positions as in sampling.token_picker."""
+    by `choose` on the host; positions as in sampling.token_picker. `xtc`: (probability,
+    threshold, special ids): each row applies XTC with that probability, on a number of its own."""
+    chance, threshold, special = xtc
 
     def pick(logits: mx.array, first: int = 0, tree=None) -> mx.array:
         logits = logits.astype(mx.float32)
+        rows = logits.shape[0]
         if seed is None:
-            uniforms = mx.random.uniform(shape=(logits.shape[0],))
+            uniforms = mx.random.uniform(shape=(2 if chance > 0 else 1, rows))
             mx.eval(logits, uniforms)
-            uniforms = uniforms.tolist()
+            uniforms, coins = uniforms[0].tolist(), (uniforms[1].tolist() if chance > 0 else [1.0] * rows)
         else:
             positions = tree.positions(first) if tree is not None else [first]
             uniforms = [position_uniform(seed, int(p)) for p in positions]
+            coins = [xtc_uniform(seed, int(p)) if chance > 0 else 1.0 for p in positions]
             mx.eval(logits)
-        rows = np.asarray(logits)
-        return mx.array([choose(row, u, temperature, top_p, min_p, top_k) for row, u in zip(rows, uniforms)],
-                        dtype=mx.int32)
+        return mx.array([choose(row, u, temperature, top_p, min_p, top_k,
+                                (threshold, special) if c < chance else None)
+                         for row, u, c in zip(np.asarray(logits), uniforms, coins)], dtype=mx.int32)
 
     return pick

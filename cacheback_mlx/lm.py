@@ -13,7 +13,7 @@ log-probabilities over the vocabulary as in mlx-lm, from the pass row that predi
 values within a pass's rounding; computed only when read). Differences: `from_draft` is True for
 tokens that came from an accepted draft, and sampling is set with temperature / top_p / top_k / min_p / seed, or a
 `sampler` from mlx-lm's make_sampler whose settings are read back (sampler_settings: sample-and-match needs the
-distribution itself, so a sampler of one's own, or XTC, is refused). `logits_processors`
+distribution itself, so a sampler of one's own is refused). `logits_processors`
 (mlx-lm's, e.g. make_logits_processors' penalties and biases) apply as in mlx-lm, every row of a
 pass with the tokens before its own position (sampling.processed_rows). `prompt_cache` (a list from
 mlx-lm's make_prompt_cache) carries a conversation as in mlx-lm: each call's prompt continues what
@@ -99,10 +99,11 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, min_p: float = 0.0,
                     **kwargs) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (text, or token ids), one GenerationResponse per token."""
+    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     if kwargs.get("sampler") is not None:
-        if (temperature, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
+        if settings != dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0):
             raise CachebackError("give either sampler= or temperature=, top_p=, top_k=, min_p=, not both")
-        temperature, top_p, top_k, min_p = sampler_settings(kwargs["sampler"])
+        settings = sampler_settings(kwargs["sampler"])
     unknown = set(kwargs) - {"sampler", "logits_processors", "draft_model", "max_kv_size", "prefill_step_size",
                              "prompt_progress_callback", "num_draft_tokens", "kv_bits", "kv_group_size",
                              "quantized_kv_start", "prompt_cache"}
@@ -111,8 +112,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array, ma
         raise CachebackError(f"unsupported arguments: {', '.join(sorted(unknown))}")
     if max_tokens == 0:
         raise CachebackError("max_tokens must be non-zero (use -1 for no limit)")
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                              logits_processors=kwargs.get("logits_processors") or (), logprobs=True)
+    sampling = SamplingParams(**settings, seed=seed, logits_processors=kwargs.get("logits_processors") or (),
+                              logprobs=True)
     cache = kwargs.get("prompt_cache")
     before = prompt_cache.held(model, cache) if cache is not None else []  # the conversation so far
     session = _session(model, tokenizer, drafter, draft_budget)
@@ -177,14 +178,14 @@ def _responses(session: Session, tokenizer, ids: list[int], prompt_tokens: int, 
         yield out(last)
 
 
-def sampler_settings(sampler) -> tuple[float, float, int, float]:
-    """(temperature, top_p, top_k, min_p) of a sampler made by mlx-lm's make_sampler, read from the
-    function it returns (drafts are checked against the distribution, so the settings are needed, not
-    a draw); any other sampler, or make_sampler's XTC: a one-line error."""
+def sampler_settings(sampler) -> dict:
+    """SamplingParams' settings (temperature, top_p, top_k, min_p, XTC's) of a sampler made by
+    mlx-lm's make_sampler, read from the function it returns (drafts are checked against the
+    distribution, so the settings are needed, not a draw); any other sampler: a one-line error."""
     from mlx_lm import sample_utils
 
     if sampler is sample_utils.greedy_sampler:
-        return 0.0, 1.0, 0, 0.0
+        return {"temperature": 0.0}
     own = CachebackError("pass temperature=, top_p=, top_k=, min_p= (or mlx-lm's make_sampler of them) "
                          "instead of a sampler of your own")
 
@@ -196,22 +197,24 @@ def sampler_settings(sampler) -> tuple[float, float, int, float]:
         raise own
     try:
         made = cells(sampler)
-        temperature, top_p, top_k, min_p = float(made["temp"]), 1.0, 0, 0.0
+        out = {"temperature": float(made["temp"])}
         for method in made["sampling_methods"]:
             calls, values = set(method.__code__.co_names), cells(method)
             if calls == {"apply_top_p"}:
-                top_p = float(values["top_p"])
+                out["top_p"] = float(values["top_p"])
             elif calls == {"apply_min_p"} and values["min_tokens_to_keep"] == 1:
-                min_p = float(values["min_p"])
+                out["min_p"] = float(values["min_p"])
             elif calls == {"apply_top_k"}:
-                top_k = int(values["top_k"])
+                out["top_k"] = int(values["top_k"])
             elif calls == {"apply_xtc"}:
-                raise CachebackError("make_sampler's XTC (xtc_probability) is not supported")
+                out.update(xtc_probability=float(values["xtc_probability"]),
+                           xtc_threshold=float(values["xtc_threshold"]),
+                           xtc_special=tuple(values["xtc_special_tokens"] or ()))
             else:
                 raise own
     except (AttributeError, KeyError, TypeError):  # an mlx-lm whose make_sampler is built otherwise
         raise own from None
-    return temperature, top_p, top_k, min_p
+    return out
 
 
 def _prompt_tps(stats) -> float:
@@ -269,7 +272,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Sequence[int] | str], max
     if kwargs.get("sampler") is not None:  # mlx-lm's make_sampler(...), as its batch_generate takes
         if set(kwargs) - {"sampler", "seed"}:
             raise CachebackError("give either sampler= or temperature=, top_p=, top_k=, min_p=, not both")
-        kwargs.update(zip(("temperature", "top_p", "top_k", "min_p"), sampler_settings(kwargs["sampler"])))
+        kwargs.update(sampler_settings(kwargs["sampler"]))
     kwargs.pop("sampler", None)
     batch = session.batch(lanes or min(len(ids), 8))
     t0 = time.perf_counter()

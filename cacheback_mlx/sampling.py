@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import CachebackError
-from .host_sampling import host_picker, position_bits
+from .host_sampling import host_picker, position_bits, xtc_uniform
 
 HOST_SAMPLING = os.environ.get("CACHEBACK_MLX_HOST_SAMPLING", "1") != "0"
 
@@ -38,6 +38,11 @@ class SamplingParams:
     seed: int | None = None
     logits_processors: tuple = ()  # mlx-lm's: (tokens, logits [1, vocab]) -> logits, applied in order
     logprobs: bool = False  # each token's log-probabilities too (engine.Accepted)
+    # XTC, as mlx-lm's make_sampler: at each position with this probability, the tokens more probable
+    # than the least probable one above the threshold are left out (host_sampling.xtc_dropped)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special: tuple = ()  # ids XTC never leaves out (mlx_lm.generate's: a new line and the EOS ids)
 
     def __post_init__(self):
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
@@ -51,6 +56,11 @@ class SamplingParams:
             raise CachebackError("top_k must be >= 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise CachebackError("min_p must be in [0, 1]")
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            raise CachebackError("xtc_probability must be in [0, 1]")
+        if not 0.0 <= self.xtc_threshold <= 0.5:
+            raise CachebackError("xtc_threshold must be in [0, 0.5]")
+        object.__setattr__(self, "xtc_special", tuple(int(t) for t in self.xtc_special or ()))
         if self.seed is not None and self.seed < 0:  # llama.cpp's convention: -1 = a random seed
             object.__setattr__(self, "seed", None)
         if self.seed is not None and self.seed >= 2**64:
@@ -59,6 +69,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def xtc_special(tokenizer, eos_ids) -> tuple[int, ...]:
+    """The ids XTC never leaves out, as mlx_lm.generate and mlx-lm's server give them: a new line's
+    tokens and the EOS ids."""
+    return tuple(tokenizer.encode("\n", add_special_tokens=False)) + tuple(sorted(eos_ids))
 
 
 WHOLE = 1 << 30  # a penalty's window reaching back over the whole sequence
@@ -122,8 +138,9 @@ def token_picker(params: SamplingParams) -> Callable[..., mx.array]:
         return lambda logits, first=0, tree=None: mx.argmax(logits, axis=-1)
     top_p = params.top_p if params.top_p < 1 else 0.0
     if HOST_SAMPLING and mx.default_device() == mx.cpu:  # MLX's CPU sort and exp are slow: host_sampling.py
-        return host_picker(params.temperature, top_p, params.min_p, params.top_k, params.seed)
-    if params.seed is not None:
+        return host_picker(params.temperature, top_p, params.min_p, params.top_k, params.seed,
+                           (params.xtc_probability, params.xtc_threshold, params.xtc_special))
+    if params.seed is not None or params.xtc_probability > 0:  # XTC: a number of its own for every row
         return seeded_picker(params, top_p)
     with_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p, top_k=params.top_k)
     without_k = make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p)
@@ -167,25 +184,46 @@ def position_key(seed: int, position: int) -> mx.array:
 
 
 def seeded_picker(params: SamplingParams, top_p: float) -> Callable[..., mx.array]:
-    """mlx-lm's filters (top-p, min-p, top-k, in its order), then a Gumbel-max draw whose noise for
-    the token at position p comes from position_key(seed, p). Every position's draw is independent
-    of the others', so each token still follows the model's distribution; and a seeded request
-    gives the same text however its passes are cut: with any drafter, budget, or other requests
-    sharing its passes (batch.py)."""
+    """mlx-lm's filters (top-p, min-p, XTC, top-k, in its order), then a Gumbel-max draw whose noise
+    for the token at position p comes from position_key(seed, p). Every position's draw is
+    independent of the others', so each token still follows the model's distribution; and a seeded
+    request gives the same text however its passes are cut: with any drafter, budget, or other
+    requests sharing its passes (batch.py). Unseeded (a request with XTC, whose every row needs a
+    number of its own where mlx-lm's sampler draws one for all), the numbers are MLX's."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    def pick(logits: mx.array, first: int, tree) -> mx.array:
-        positions = tree.positions(first)  # only a seeded draw needs them
+    def pick(logits: mx.array, first: int = 0, tree=None) -> mx.array:
         logits = logits.astype(mx.float32)
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        rows, vocab = logits.shape
         if 0 < top_p < 1.0:
             logits = apply_top_p(logits, top_p)
         if params.min_p != 0.0:
             logits = apply_min_p(logits, params.min_p, 1)
-        if 0 < params.top_k < logits.shape[-1]:  # k >= vocab: no cut
+        positions = tree.positions(first) if params.seed is not None and tree is not None else [first]
+        if params.xtc_probability > 0:
+            coins = (mx.array([xtc_uniform(params.seed, int(p)) for p in positions]) if params.seed is not None
+                     else mx.random.uniform(shape=(rows,)))
+            logits = xtc_rows(logits, coins < params.xtc_probability, params.xtc_threshold, params.xtc_special)
+        if 0 < params.top_k < vocab:  # k >= vocab: no cut
             logits = apply_top_k(logits, params.top_k)
-        vocab = logits.shape[-1]
-        noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(params.seed, int(p))) for p in positions])
+        if params.seed is None:
+            noise = mx.random.gumbel((rows, vocab))
+        else:
+            noise = mx.stack([mx.random.gumbel((vocab,), key=position_key(params.seed, int(p))) for p in positions])
         return mx.argmax(logits * (1.0 / params.temperature) + noise, axis=-1)
 
     return pick
+
+
+def xtc_rows(logits: mx.array, apply: mx.array, threshold: float, special: Sequence[int] = ()) -> mx.array:
+    """mlx-lm's apply_xtc on the rows where `apply` ([rows] bool) holds (host_sampling.xtc_dropped)."""
+    probs = mx.softmax(logits, axis=-1)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    drop = probs > least
+    special = [i for i in special if 0 <= i < logits.shape[-1]]
+    if special:
+        keep = mx.zeros((logits.shape[-1],), dtype=mx.bool_)
+        keep[mx.array(special)] = True
+        drop = drop & ~keep
+    return mx.where(drop & apply[:, None], -mx.inf, logits)

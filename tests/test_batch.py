@@ -299,7 +299,7 @@ def test_seeded_lanes_sample_as_their_solo_runs_beside_other_lanes():
     model = zoo.tiny_model("llama")
     known = streams(model)
     a = SamplingParams(temperature=0.8, seed=7)
-    b = SamplingParams(temperature=0.9, top_p=0.9, seed=8)
+    b = SamplingParams(temperature=0.9, top_p=0.9, seed=8, xtc_probability=0.6, xtc_threshold=0.05)  # XTC's too
 
     def solo(prompt, sampling):
         eng = Engine(model, eos_ids=[], drafter=NoDrafter(), context_length=4096)

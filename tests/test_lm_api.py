@@ -114,8 +114,11 @@ def test_mlx_lm_s_make_sampler_is_read_back_into_its_settings(tiny):
     model, tokenizer = tiny
     settings = dict(temperature=0.8, top_p=0.9, min_p=0.05, top_k=20)
     made = make_sampler(temp=0.8, top_p=0.9, min_p=0.05, top_k=20)
-    assert lm.sampler_settings(made) == (0.8, 0.9, 20, 0.05)
-    assert lm.sampler_settings(make_sampler(temp=0.5)) == (0.5, 1.0, 0, 0.0)
+    assert lm.sampler_settings(made) == settings
+    assert lm.sampler_settings(make_sampler(temp=0.5)) == {"temperature": 0.5}
+    xtc = make_sampler(temp=0.8, xtc_probability=0.5, xtc_threshold=0.05, xtc_special_tokens=[2])
+    assert lm.sampler_settings(xtc) == dict(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05,
+                                            xtc_special=(2,))
     prompt = "abcabcabc abc"
     by_name = [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3, **settings)]
     assert [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3,
@@ -127,8 +130,10 @@ def test_mlx_lm_s_make_sampler_is_read_back_into_its_settings(tiny):
     assert (lm.batch_generate(model, tokenizer, ids, max_tokens=24, seed=3, sampler=made, return_token_ids=True)
             .token_ids == lm.batch_generate(model, tokenizer, ids, max_tokens=24, seed=3, return_token_ids=True,
                                             **settings).token_ids)
-    for bad, why in ((make_sampler(temp=0.8, xtc_probability=0.5), "XTC"),
-                     (make_sampler(temp=0.8, min_p=0.1, min_tokens_to_keep=3), "of your own"),
+    with_xtc = [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3, sampler=xtc)]
+    assert with_xtc != [r.token for r in lm.stream_generate(model, tokenizer, prompt, max_tokens=24, seed=3,
+                                                            sampler=make_sampler(temp=0.8))]
+    for bad, why in ((make_sampler(temp=0.8, min_p=0.1, min_tokens_to_keep=3), "of your own"),
                      (lambda x: x, "of your own")):
         with pytest.raises(CachebackError, match=why):
             next(lm.stream_generate(model, tokenizer, prompt, sampler=bad))

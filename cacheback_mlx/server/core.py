@@ -31,7 +31,7 @@ from ..api import Session
 from ..engine import Interrupted
 from ..errors import CachebackError
 from ..fim import CompletionRules, InfillBuilder
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, xtc_special
 from .batching import BatchRunner
 from .fields import Sampling
 from .logprobs import TokenLog, token_entries
@@ -248,7 +248,9 @@ class Generator:
         """A run's sampling: the request's, with a structured output's constraint of its own."""
         constraint = None if job.grammar is None else constrained.Constrained(
             job.grammar, self.session.tokenizer, self.session.engine.eos_ids, len(job.ids))
-        return job.sampling.params(offset, constraint)
+        special = (xtc_special(self.session.tokenizer, self.session.engine.eos_ids)
+                   if job.sampling.xtc_probability > 0 else ())
+        return job.sampling.params(offset, constraint, special)
 
     def steps(self, job: Job, offset: int = 0, stop=None) -> Iterator[str]:
         """Text pieces as they become final (stop strings and rules applied), one per engine step

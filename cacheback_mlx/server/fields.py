@@ -58,6 +58,8 @@ class Sampling(Lenient):
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, lt=1 << 64)  # negative: random, as llama.cpp's -1
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # XTC, as mlx-lm's server and llama.cpp name it
+    xtc_threshold: float = Field(0.1, ge=0.0, le=0.5)
     stop: str | list[str] | None = None
     stream: bool = False
     # penalties over the last tokens (the prompt's too), as mlx-lm's logits processors apply them
@@ -80,12 +82,13 @@ class Sampling(Lenient):
     grammar: str | None = None
     WINDOW: ClassVar[int] = 64  # llama.cpp's and Ollama's repeat_last_n by default
 
-    def params(self, offset: int = 0, constraint=None) -> SamplingParams:
+    def params(self, offset: int = 0, constraint=None, xtc_special: tuple = ()) -> SamplingParams:
         """The engine's sampling; `constraint`: the structured output's processor (constrained.py),
-        applied after the penalties and biases."""
+        applied after the penalties and biases; `xtc_special`: the ids XTC keeps (sampling.xtc_special)."""
         seed = None if self.seed is None or self.seed < 0 else (self.seed + offset) % (1 << 64)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=seed,
+                              min_p=self.min_p, seed=seed, xtc_probability=self.xtc_probability,
+                              xtc_threshold=self.xtc_threshold, xtc_special=xtc_special,
                               logits_processors=self.processors() + ((constraint,) if constraint else ()),
                               logprobs=self.alternatives() is not None)
 
