@@ -15,7 +15,7 @@ from cacheback_mlx.tree import DraftTree
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 SETTINGS = [(0.95, 0.0, 0), (0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.0, 0.05, 0), (0.0, 0.0, 40),
             (0.9, 0.05, 40), (0.95, 0.0, 3), (0.0, 0.0, 0)]
@@ -49,13 +49,16 @@ def _reference(logits: np.ndarray, top_p: float, min_p: float, top_k: int) -> np
     return keep
 
 
-def _mlx_lm(logits: np.ndarray, top_p: float, min_p: float, top_k: int) -> np.ndarray:
+def _mlx_lm(logits: np.ndarray, top_p: float, min_p: float, top_k: int, xtc: tuple | None = None) -> np.ndarray:
+    """What mlx-lm's make_sampler chain keeps; `xtc`: (threshold, special ids) with its XTC applied."""
     x = mx.array(logits)[None]
     x = x - mx.logsumexp(x, axis=-1, keepdims=True)
     if 0 < top_p < 1:
         x = apply_top_p(x, top_p)
     if min_p:
         x = apply_min_p(x, min_p, 1)
+    if xtc is not None:
+        x = apply_xtc(x, 1.0, xtc[0], list(xtc[1]))
     if top_k:
         x = apply_top_k(x, top_k)
     return np.array(x[0]) > -np.inf

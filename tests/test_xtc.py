@@ -9,25 +9,17 @@ from cacheback_mlx.sampling import SamplingParams
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from adversarial import OracleDrafter, RandomTreeDrafter, WrongDrafter
+from test_host_sampling import _mlx_lm
 
 PROMPT = [5, 17, 3, 3, 42, 8, 19, 3, 42, 8]
 
 
 def mlx_lm_kept(row: np.ndarray, top_p, min_p, top_k, threshold, special) -> set[int]:
     """The tokens mlx-lm's make_sampler chain keeps when its XTC applies (probability 1)."""
-    x = mx.array(row)[None]
-    x = x - mx.logsumexp(x, axis=-1, keepdims=True)
-    if 0 < top_p < 1:
-        x = apply_top_p(x, top_p)
-    if min_p:
-        x = apply_min_p(x, min_p, 1)
-    x = apply_xtc(x, 1.0, threshold, list(special))
-    if top_k:
-        x = apply_top_k(x, top_k)
-    return set(np.flatnonzero(np.isfinite(np.array(x[0]))).tolist())
+    return set(np.flatnonzero(_mlx_lm(row, top_p, min_p, top_k, (threshold, special))).tolist())
 
 
 @pytest.mark.parametrize("top_p, min_p, top_k", [(0.0, 0.0, 0), (0.9, 0.0, 0), (0.0, 0.05, 0), (0.95, 0.02, 5),
